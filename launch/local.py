@@ -1,0 +1,30 @@
+"""Running one stage on this machine: torchrun with N ranks of launch.worker."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", "-m", "launch.worker", str(run_dir), stage_id]
+
+
+def run_stage_locally(run_dir: Path, stage_id: str, nproc: int) -> int:
+    """Runs the stage to completion; returns torchrun's exit code. Rank logs go to <stage>/logs/."""
+    env = dict(os.environ)
+    # One intra-op thread pool per rank sized to its share of the cores: oversubscription
+    # (every rank using every core) makes gloo collectives and matmuls crawl.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    return subprocess.run(torchrun_command(run_dir, stage_id, nproc), env=env).returncode

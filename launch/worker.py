@@ -1,0 +1,57 @@
+"""The process of one rank of one stage: `python -m launch.worker RUN_DIR STAGE_ID` under torchrun,
+srun or mpirun. Discovers its rank, joins the process group, runs the stage, leaves cleanly."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def redirect_output(log_dir: Path, rank: int):
+    """Send this rank's stdout/stderr (library chatter included) to logs/rank-N.log and return a
+    handle on the original terminal, where rank 0 draws its progress bar."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    log = open(log_dir / f"rank-{rank:05d}.log", "a", buffering=1)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
+    return terminal
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_dir, stage_id = (argv or sys.argv[1:])[:2]
+    from launch.dist import discover_ranks, init_distributed, shutdown_distributed
+    from pipeline.config import RunConfig
+    from pipeline.rundir import RunDir
+    from stages.context import StageContext
+
+    run = RunDir(Path(run_dir))
+    terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
+    cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
+    info = init_distributed()
+    ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal)
+    try:
+        stage_runner(ctx)(ctx)
+    except BaseException:
+        logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
+        raise
+    finally:
+        shutdown_distributed()
+
+
+def stage_runner(ctx):
+    from pipeline.config import SFTStage
+    from stages import sft
+
+    runners = {SFTStage: sft.run}
+    return runners[type(ctx.stage)]
+
+
+if __name__ == "__main__":
+    main()

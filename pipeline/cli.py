@@ -1,0 +1,103 @@
+"""`hpcr1`: the command line. Parse, build, run; the work lives in the modules it calls.
+
+Exit codes: 0 success, 2 bad input (one message naming the field or line), 1 a failure while running.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from pipeline.config import ConfigError
+    from stages.data.examples import DataError
+
+    try:
+        return args.func(args) or 0
+    except (ConfigError, DataError) as e:
+        print(f"hpcr1: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hpcr1: interrupted; `hpcr1 run` again resumes from the last checkpoint", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcr1", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the stage graph here with torchrun, resuming what is there")
+    run.add_argument("config")
+    run.add_argument("--run-dir", help="default: runs/<name>")
+    run.add_argument("--only", help="comma-separated stage ids")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    run.set_defaults(func=cmd_run)
+
+    show = sub.add_parser("config", help="print the fully resolved config")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    show.set_defaults(func=cmd_config)
+
+    status = sub.add_parser("status", help="the state of each stage of a run")
+    status.add_argument("run_dir")
+    status.set_defaults(func=cmd_status)
+
+    ev = sub.add_parser("eval", help="held-out accuracy of a Hugging Face model directory")
+    ev.add_argument("model_dir")
+    ev.add_argument("--data", required=True, help="JSONL or Parquet file with prompts and answers")
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    ev.set_defaults(func=cmd_eval)
+    return p
+
+
+def cmd_run(args) -> int:
+    from pipeline.config import load_config
+    from pipeline.driver import StageFailed, run_pipeline
+    from pipeline.rundir import RunDir
+
+    cfg = load_config(args.config, args.overrides)
+    run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
+    only = args.only.split(",") if args.only else None
+    try:
+        run_pipeline(cfg, run, Path(args.config).parent, only)
+    except StageFailed as e:
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return 1
+    print(f"run directory: {run.root}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from pipeline.config import dump_config, load_config
+
+    print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from pipeline.config import ConfigError
+    from pipeline.status import stage_rows
+
+    if not (Path(args.run_dir) / "manifest.json").exists():
+        raise ConfigError(args.run_dir, "not a run directory (no manifest.json)")
+    for row in stage_rows(Path(args.run_dir)):
+        print(row)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from stages.data.examples import read_examples
+    from stages.eval import evaluate_model_dir
+
+    examples = read_examples(args.data)[: args.limit]
+    result = evaluate_model_dir(Path(args.model_dir), examples, args.max_new_tokens)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

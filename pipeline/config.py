@@ -1,0 +1,290 @@
+"""The run configuration: typed sections with a docstring per field, YAML on top, dotted overrides.
+
+`load_config(path, overrides)` returns a validated `RunConfig` or raises `ConfigError` naming the
+field; nothing is written before a config has passed. YAML files only override the defaults here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+STAGE_IDS = ("stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; `field` is the dotted path (or file:line) the message is about."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+class TinyModel(Section):
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); divides num_heads."""
+    ffn_hidden_size: int = 352
+    """Inner width of the SwiGLU MLP."""
+    max_position_embeddings: int = 256
+    """Longest sequence the RoPE tables are built for."""
+
+
+class ModelConfig(Section):
+    source: Literal["tiny", "hf"] = "tiny"
+    """'tiny': build a small Llama and a character tokenizer locally; 'hf': load a Hugging Face model directory."""
+    path: str | None = None
+    """Hugging Face model directory (config.json, safetensors, tokenizer) when source is 'hf'."""
+    tiny: TinyModel = TinyModel()
+    """Architecture of the locally built model when source is 'tiny'."""
+
+
+class ArithmeticTask(Section):
+    num_operands: int = 3
+    """Numbers added per problem."""
+    digits: int = 4
+    """Digits per operand (zero-padded)."""
+    sft_size: int = 20000
+    """Curated chain-of-thought examples for SFT."""
+    prompts_size: int = 2000
+    """Prompts for GRPO and synthetic-data generation."""
+    eval_size: int = 200
+    """Held-out problems for evaluation after each stage."""
+
+
+class DataConfig(Section):
+    task: Literal["arithmetic", "files"] = "arithmetic"
+    """'arithmetic': generate the task from the seed; 'files': read the three files below."""
+    arithmetic: ArithmeticTask = ArithmeticTask()
+    """Sizes and shape of the generated task."""
+    sft_file: str | None = None
+    """JSONL or Parquet with worked solutions (GSM8K, problem/solution/answer or chat messages)."""
+    prompts_file: str | None = None
+    """JSONL or Parquet with prompts and answers for GRPO and synthesis."""
+    eval_file: str | None = None
+    """JSONL or Parquet held-out set."""
+
+
+class EvalConfig(Section):
+    num_examples: int = 200
+    """Held-out examples scored after each stage (greedy decoding)."""
+    max_new_tokens: int = 64
+    """Generation budget per answer."""
+    batch_size: int = 50
+    """Prompts generated together per rank."""
+
+
+class ParallelConfig(Section):
+    tp: int = 1
+    """Tensor-parallel size (megatron-core)."""
+    pp: int = 1
+    """Pipeline-parallel size (megatron-core)."""
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    """DeepSpeed ZeRO stage over the data-parallel group."""
+
+
+class SFTStage(Section):
+    init_from: str = "base"
+    """'base' or the id of an earlier stage whose final/ model this stage starts from."""
+    data: str = "curated"
+    """'curated' (the SFT set of `data`) or the id of a synthesis stage whose dataset to train on."""
+    steps: int = 600
+    """Optimizer steps."""
+    global_batch_size: int = 64
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one rank (gradient accumulation makes up the rest)."""
+    max_seq_len: int = 96
+    """Longer examples are truncated (the loss mask follows)."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 2e-5
+    """Learning rate at the last step: cosine decay from lr after warmup."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and compute precision."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Model and data parallel layout; data-parallel size = nproc / (tp * pp)."""
+    checkpoint_every: int = 100
+    """Steps between step checkpoints (one is always written at the end)."""
+    keep_checkpoints: int = 2
+    """Newest step checkpoints kept; older ones are deleted."""
+
+
+class ProfileConfig(Section):
+    comm: bool = True
+    """Record every collective and point-to-point call per rank into <stage>/profile/."""
+
+
+class WandbConfig(Section):
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline writes into <stage>/wandb and needs no network."""
+    project: str = "hpcr1"
+    """wandb project name."""
+
+
+class RunConfig(Section):
+    name: str
+    """Run name; the run directory defaults to runs/<name>."""
+    seed: int = 0
+    """Seeds data generation, model initialisation, data order and sampling."""
+    nproc: int = 2
+    """Ranks per stage when run locally (torchrun --nproc-per-node)."""
+    model: ModelConfig = ModelConfig()
+    """The base model."""
+    data: DataConfig = DataConfig()
+    """The task: curated SFT set, prompt set and held-out set."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation after each stage."""
+    profile: ProfileConfig = ProfileConfig()
+    """Communication profiling."""
+    wandb: WandbConfig = WandbConfig()
+    """Experiment tracking."""
+    stage1_sft: SFTStage | None = None
+    """SFT of the base model on curated chain-of-thought data (absent: not in the graph)."""
+    stage3_sft: SFTStage | None = None
+    """SFT of the stage 1 model on the synthesised data (absent: not in the graph)."""
+
+    def stages(self) -> dict[str, SFTStage]:
+        """The stage graph: present stages in their canonical order."""
+        return {sid: getattr(self, sid) for sid in STAGE_IDS if getattr(self, sid, None) is not None}
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "<top level>"
+        raise ConfigError(field, f"{err['msg']} (got {err.get('input')!r})"[:300]) from None
+    _check_consistency(cfg, Path(path).parent)
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(str(path), "config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(where, f"not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "the config must be a mapping of sections")
+    return raw
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(item, "an override must look like section.field=value")
+    *parents, leaf = key.split(".")
+    node = raw
+    for i, part in enumerate(parents):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parents[: i + 1]), f"is a value, not a section (in override {item!r})")
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(key, f"override value {value!r} is not valid YAML") from None
+
+
+def model_dims(cfg: RunConfig, base: Path) -> dict:
+    """Heads, KV heads, layers and vocabulary of the base model, for layout checks."""
+    if cfg.model.source == "tiny":
+        t = cfg.model.tiny
+        # The character tokenizer's vocabulary is padded to 128 (stages/data/tokenizer.py).
+        return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+                "num_hidden_layers": t.num_layers, "vocab_size": 128}
+    if cfg.model.path is None:
+        raise ConfigError("model.path", "required when model.source is 'hf'")
+    config_json = resolve_path(base, cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError("model.path", f"{config_json} not found (a Hugging Face model directory is expected)")
+    hf = json.loads(config_json.read_text())
+    return {k: hf.get(k, hf.get("num_attention_heads")) for k in
+            ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")}
+
+
+def resolve_path(base: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else base / p
+
+
+def _check_consistency(cfg: RunConfig, base: Path) -> None:
+    """Checks across fields: layouts that cannot be built, files that are not there, a broken graph."""
+    _positive("nproc", cfg.nproc)
+    t = cfg.model.tiny
+    if cfg.model.source == "tiny" and t.num_heads % t.num_kv_heads:
+        raise ConfigError("model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})")
+    if cfg.data.task == "files":
+        for name in ("sft_file", "prompts_file", "eval_file"):
+            value = getattr(cfg.data, name)
+            if value is None or not resolve_path(base, value).is_file():
+                raise ConfigError(f"data.{name}", f"file {value!r} not found")
+    dims = model_dims(cfg, base)
+    if not cfg.stages():
+        raise ConfigError("stage1_sft", "no stage is configured: the graph is empty")
+    earlier: list[str] = []
+    for sid, stage in cfg.stages().items():
+        _check_sft_stage(cfg, sid, stage, dims, earlier)
+        earlier.append(sid)
+
+
+def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict, earlier: list[str]) -> None:
+    for name in ("steps", "global_batch_size", "micro_batch_size", "max_seq_len", "lr"):
+        _positive(f"{sid}.{name}", getattr(s, name))
+    if s.init_from != "base" and s.init_from not in earlier:
+        raise ConfigError(f"{sid}.init_from", f"{s.init_from!r} is neither 'base' nor an earlier stage ({earlier})")
+    if s.data != "curated" and s.data not in earlier:
+        raise ConfigError(f"{sid}.data", f"{s.data!r} is neither 'curated' nor an earlier stage ({earlier})")
+    if s.min_lr > s.lr:
+        raise ConfigError(f"{sid}.min_lr", f"{s.min_lr} is above lr ({s.lr})")
+    p = s.parallel
+    _positive(f"{sid}.parallel.tp", p.tp)
+    _positive(f"{sid}.parallel.pp", p.pp)
+    if cfg.nproc % (p.tp * p.pp):
+        raise ConfigError(f"{sid}.parallel", f"tp*pp = {p.tp * p.pp} does not divide nproc ({cfg.nproc})")
+    for what in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
+        if dims[what] % p.tp:
+            raise ConfigError(f"{sid}.parallel.tp", f"{p.tp} does not divide the model's {what} ({dims[what]})")
+    if dims["num_hidden_layers"] % p.pp:
+        raise ConfigError(f"{sid}.parallel.pp", f"{p.pp} does not divide the model's layers ({dims['num_hidden_layers']})")
+    dp = cfg.nproc // (p.tp * p.pp)
+    if s.global_batch_size % (s.micro_batch_size * dp):
+        raise ConfigError(f"{sid}.global_batch_size", f"{s.global_batch_size} is not a multiple of "
+                          f"micro_batch_size * data-parallel size ({s.micro_batch_size} * {dp})")
+
+
+def _positive(field: str, value) -> None:
+    if value <= 0:
+        raise ConfigError(field, f"must be positive (got {value})")

@@ -1,0 +1,53 @@
+"""Paths of the run directory (DESIGN.md, "The run directory"): one place that knows the layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def inputs(self) -> Path:
+        """The base model (with its tokenizer) and the task's data, prepared once per run."""
+        return self.root / "inputs"
+
+    @property
+    def base_model(self) -> Path:
+        return self.inputs / "model"
+
+    def task_file(self, split: str) -> Path:
+        """split: sft, prompts or eval."""
+        return self.inputs / "data" / f"{split}.jsonl"
+
+    def stage(self, stage_id: str) -> Path:
+        return self.root / stage_id
+
+    def ckpt(self, stage_id: str) -> Path:
+        return self.stage(stage_id) / "ckpt"
+
+    def final(self, stage_id: str) -> Path:
+        return self.stage(stage_id) / "final"
+
+    def metrics(self, stage_id: str) -> Path:
+        return self.stage(stage_id) / "metrics.jsonl"
+
+    def profile(self, stage_id: str) -> Path:
+        return self.stage(stage_id) / "profile"
+
+    def logs(self, stage_id: str) -> Path:
+        return self.stage(stage_id) / "logs"
+
+    def eval_result(self, stage_id: str) -> Path:
+        """Held-out accuracy the stage's ranks measured on final/, picked up into the manifest."""
+        return self.stage(stage_id) / "eval.json"
+
+    def model_dir(self, source: str) -> Path:
+        """Where a stage's starting model lives: 'base' or an earlier stage's final/."""
+        return self.base_model if source == "base" else self.final(source)

@@ -1,0 +1,159 @@
+"""The SFT engine: a megatron-core Llama (tensor parallel) wrapped by DeepSpeed ZeRO over the
+data-parallel group — the Megatron-DeepSpeed pattern. Weights come in and go out as Hugging Face
+directories; everything in between is megatron layout.
+
+Loss normalisation: every rank divides its summed token losses by the token count of the whole
+global batch (times the data-parallel size, which DeepSpeed's gradient averaging divides out), so
+the loss and the gradients are those of one big batch whatever the DP/TP split or micro-batching.
+"""
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from transformers import AutoConfig
+
+from pipeline.config import SFTStage
+from stages.data.sft_batches import MicroBatch
+from stages.engines.cpu_shim import apply_cpu_shim
+from stages.models.convert import gather_megatron_shards, load_hf_into_megatron, megatron_to_hf, save_hf_dir
+from stages.models.megatron_llama import build_megatron_llama
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class MegatronMpu:
+    """The model-parallel interface DeepSpeed asks for, answered by megatron-core's parallel_state
+    (DeepSpeed says 'model parallel' where megatron says 'tensor model parallel')."""
+
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_src_rank = staticmethod(parallel_state.get_tensor_model_parallel_src_rank)
+    get_model_parallel_rank = get_tensor_model_parallel_rank
+    get_model_parallel_world_size = get_tensor_model_parallel_world_size
+    get_model_parallel_group = get_tensor_model_parallel_group
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+
+    @staticmethod
+    def get_sequence_parallel_world_size() -> int:
+        return 1
+
+
+def warmup_cosine(stage: SFTStage):
+    """lr multiplier per step: linear warmup, then cosine decay to min_lr at the last step."""
+    floor = stage.min_lr / stage.lr
+
+    def factor(step: int) -> float:
+        if step < stage.warmup_steps:
+            return (step + 1) / stage.warmup_steps
+        progress = min(1.0, (step - stage.warmup_steps) / max(1, stage.steps - stage.warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def deepspeed_config(stage: SFTStage, dp_size: int) -> dict:
+    micro_steps = stage.global_batch_size // (stage.micro_batch_size * dp_size)
+    return {
+        "train_batch_size": stage.global_batch_size,
+        "train_micro_batch_size_per_gpu": stage.micro_batch_size,
+        "gradient_accumulation_steps": micro_steps,
+        "gradient_clipping": stage.grad_clip,
+        "zero_optimization": {"stage": stage.parallel.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": stage.dtype == "bf16"},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class MegatronDeepSpeedEngine:
+    def __init__(self, hf_dir: Path, stage: SFTStage, seed: int):
+        apply_cpu_shim()
+        p = stage.parallel
+        if p.pp != 1:
+            raise NotImplementedError("pipeline-parallel SFT training is not implemented yet (pp must be 1)")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.hf_config = AutoConfig.from_pretrained(hf_dir)
+        model = build_megatron_llama(self.hf_config, pre_process=True, post_process=True, params_dtype=DTYPES[stage.dtype])
+        load_hf_into_megatron(model, hf_dir)
+        decay, no_decay = _decay_groups(model)
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": stage.weight_decay},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=stage.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(stage))
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(stage, self.dp_size), mpu=MegatronMpu())
+
+    def train_step(self, micro_batches: list[MicroBatch], global_loss_tokens: int) -> dict:
+        """Forward/backward every micro-batch of this rank, then one optimizer step."""
+        loss_sum = torch.zeros(())
+        for mb in micro_batches:
+            token_losses = self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                                       labels=mb.labels)
+            local = (token_losses.float() * mb.loss_mask).sum()
+            self.engine.backward(local * (self.dp_size / global_loss_tokens), scale_wrt_gas=False)
+            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            loss_sum += local.detach()
+        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+        return {"loss": loss_sum.item() / global_loss_tokens, "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+                "lr": self.engine.get_lr()[0]}
+
+    def save(self, directory: Path, trainer_state: dict) -> None:
+        """Engine-native sharded checkpoint (model, optimizer, scheduler) plus this rank's RNG state
+        and the trainer state; every rank calls it."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state=trainer_state,
+                                    save_latest=False)
+        torch.save(_rng_state(), directory / f"rng-rank-{dist.get_rank():05d}.pt")
+        dist.barrier()
+
+    def load(self, directory: Path) -> dict:
+        _, client_state = self.engine.load_checkpoint(str(directory.parent), tag=directory.name)
+        _set_rng_state(torch.load(directory / f"rng-rank-{dist.get_rank():05d}.pt", weights_only=False))
+        return client_state
+
+    def export_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        """Gather the shards on rank 0 and write a Hugging Face directory (rank 0 only writes)."""
+        shards = gather_megatron_shards(self.engine.module)
+        if shards is not None:
+            save_hf_dir(megatron_to_hf(shards, self.hf_config), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
+        dist.barrier()
+
+    def close(self) -> None:
+        parallel_state.destroy_model_parallel()
+
+
+def _decay_groups(model: torch.nn.Module):
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.ndim < 2 or "layernorm" in name or "norm" in name else decay).append(param)
+    return decay, no_decay
+
+
+def _as_float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

@@ -1,0 +1,36 @@
+"""Held-out accuracy: greedy answers scored by the task's verifiable reward. Under torch.distributed
+each rank scores its share of the examples and the counts are summed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from stages.data.examples import Example
+from stages.generation import generate_responses
+from stages.rewards.math_reward import score
+
+
+def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, batch_size: int = 50) -> dict:
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = examples[rank::world]
+    counts = torch.zeros(3, dtype=torch.float64)  # correct, well-formed, scored
+    model.eval()
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        responses = generate_responses(model, tokenizer, [ex.prompt for ex in chunk], max_new_tokens)
+        for ex, response in zip(chunk, responses):
+            s = score(response, ex.answer)
+            counts += torch.tensor([s.correct, s.format_ok, 1], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(counts)
+    correct, well_formed, n = counts.tolist()
+    return {"accuracy": correct / max(n, 1), "format_rate": well_formed / max(n, 1), "n": int(n)}
+
+
+def evaluate_model_dir(model_dir: Path, examples: list[Example], max_new_tokens: int, batch_size: int = 50) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return evaluate(model, tokenizer, examples, max_new_tokens, batch_size)

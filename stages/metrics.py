@@ -1,0 +1,47 @@
+"""Per-step metrics: one JSON line a step in <stage>/metrics.jsonl, mirrored to wandb (offline by
+default). Only rank 0 writes. On resume, lines past the resumed step are dropped so that a step
+never appears twice."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, path: Path, enabled: bool, resume_step: int, wandb_mode: str, wandb_project: str,
+                 run_name: str, config: dict):
+        self.path, self.enabled = path, enabled
+        self._file = None
+        self._wandb = None
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        self._file = open(path, "a", buffering=1)
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name, dir=str(path.parent), mode=wandb_mode,
+                                     config=config, resume="allow", id=run_name.replace("/", "-"))
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,123 @@
+"""Stage 1 SFT through the real CLI on real ranks: parallel layouts give the losses of one rank,
+ZeRO stages agree, and a killed run resumes from its checkpoint to the same result."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.dist
+
+SMALL = {
+    "name": "sft-test", "seed": 3, "nproc": 2,
+    "data": {"arithmetic": {"sft_size": 512, "prompts_size": 16, "eval_size": 16}},
+    "eval": {"num_examples": 16, "max_new_tokens": 40, "batch_size": 16},
+    "wandb": {"mode": "disabled"},
+    "stage1_sft": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
+                   "warmup_steps": 2, "checkpoint_every": 5, "parallel": {"tp": 1, "pp": 1, "zero_stage": 1}},
+}
+
+
+def hpcr1_run(run_dir: Path, *overrides: str, wait: bool = True):
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(config), "--run-dir", str(run_dir), *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)), "each step exactly once, in order"
+    return [m["loss"] for m in steps]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run directories made on demand and shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("sft")
+    made: dict[str, Path] = {}
+
+    def get(name: str, *overrides: str) -> Path:
+        if name not in made:
+            made[name] = root / name
+            hpcr1_run(made[name], *overrides)
+        return made[name]
+
+    return get
+
+
+def test_dp2_losses_match_one_rank(runs):
+    one = losses(runs("one-rank", "nproc=1"))
+    dp2 = losses(runs("dp2"))
+    assert max(abs(a - b) for a, b in zip(one[:10], dp2[:10])) < 1e-4, (one[:10], dp2[:10])
+
+
+def test_tp2_losses_match_tp1(runs):
+    one = losses(runs("one-rank", "nproc=1"))
+    tp2 = losses(runs("tp2", "stage1_sft.parallel.tp=2"))
+    assert max(abs(a - b) for a, b in zip(one[:10], tp2[:10])) < 1e-4, (one[:10], tp2[:10])
+
+
+def test_zero0_and_zero1_losses_match(runs):
+    zero1 = losses(runs("dp2"))
+    zero0 = losses(runs("dp2-zero0", "stage1_sft.parallel.zero_stage=0"))
+    assert max(abs(a - b) for a, b in zip(zero0[:10], zero1[:10])) < 1e-4
+
+
+def test_losses_fall_and_stage_is_recorded_done(runs):
+    run = runs("dp2")
+    trace = losses(run)
+    assert trace[-1] < 0.6 * trace[0], trace
+    manifest = json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert manifest["state"] == "done" and manifest["eval"]["n"] == 16
+    assert "config.json" in manifest["checksums"] and "model.safetensors" in manifest["checksums"]
+
+
+def test_killed_run_resumes_from_checkpoint_and_matches_uninterrupted(runs, tmp_path):
+    reference = losses(runs("dp2"))
+    run_dir = tmp_path / "killed"
+    proc = hpcr1_run(run_dir, wait=False)
+    ckpt = run_dir / "stage1_sft" / "ckpt" / "step-000005"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed_at = len(losses(run_dir))
+    assert killed_at < 20, "the run finished before it could be killed: nothing was tested"
+
+    out = hpcr1_run(run_dir)
+    log = (run_dir / "stage1_sft" / "logs" / "rank-00000.log").read_text()
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
+    assert resumed and resumed[0] >= 5, log[-2000:]
+    manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert manifest["attempts"] == 2 and manifest["state"] == "done", out.stdout
+    after = losses(run_dir)
+    assert len(after) == 20
+    assert abs(after[-1] - reference[-1]) < 1e-4, (after[-5:], reference[-5:])
+
+
+def test_done_stage_is_skipped_on_rerun(runs):
+    run = runs("dp2")
+    before = (run / "manifest.json").read_text()
+    out = hpcr1_run(run)
+    assert "skipped" in out.stdout
+    assert json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["attempts"] == \
+        json.loads(before)["stages"]["stage1_sft"]["attempts"]
