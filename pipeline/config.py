@@ -127,6 +127,72 @@ class SFTStage(Section):
     keep_checkpoints: int = 2
     """Newest step checkpoints kept; older ones are deleted."""
 
+    def upstream(self) -> list[str]:
+        """Earlier stages whose outputs this one reads."""
+        return [src for src in (self.init_from, self.data) if src not in ("base", "curated")]
+
+
+class GRPOStage(Section):
+    init_from: str = "stage1_sft"
+    """The earlier stage whose final/ model is both the starting policy and the frozen reference."""
+    steps: int = 40
+    """Rollout-and-update iterations."""
+    prompts_per_step: int = 16
+    """Prompts per rollout batch, over all ranks."""
+    group_size: int = 8
+    """Responses sampled per prompt (GRPO's G); advantages are normalised within each group."""
+    max_new_tokens: int = 64
+    """Generation budget per response."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold of the rollout."""
+    lr: float = 1e-4
+    """Actor learning rate (AdamW, constant)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    mini_batches: int = 2
+    """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip range of the importance ratio."""
+    kl_coef: float = 0.02
+    """Weight of the KL penalty against the reference model (0 disables the reference)."""
+    kl_type: Literal["low_var_kl", "k1", "k2", "k3"] = "low_var_kl"
+    """KL estimator (verl's kl_penalty)."""
+    format_reward: float = 0.1
+    """Reward for a well-formed <think>/<answer> response, added to 1.0 for a correct answer."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    checkpoint_every: int = 10
+    """Iterations between step checkpoints."""
+    keep_checkpoints: int = 2
+    """Newest step checkpoints kept."""
+
+    def upstream(self) -> list[str]:
+        return [self.init_from] if self.init_from != "base" else []
+
+
+class SynthStage(Section):
+    init_from: str = "stage2_grpo"
+    """The stage whose final/ model generates the data."""
+    num_prompts: int = 2000
+    """Prompts from the prompt set answered (the first N)."""
+    samples_per_prompt: int = 4
+    """Responses sampled per prompt."""
+    max_per_prompt: int = 2
+    """Correct, distinct responses kept per prompt at most."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    max_new_tokens: int = 64
+    """Generation budget per response."""
+    batch_size: int = 64
+    """Prompts a rank generates together; ranks take batches from a shared queue."""
+
+    def upstream(self) -> list[str]:
+        return [self.init_from] if self.init_from != "base" else []
+
 
 class ProfileConfig(Section):
     comm: bool = True
@@ -159,10 +225,16 @@ class RunConfig(Section):
     """Experiment tracking."""
     stage1_sft: SFTStage | None = None
     """SFT of the base model on curated chain-of-thought data (absent: not in the graph)."""
+    stage2_grpo: GRPOStage | None = None
+    """GRPO on the prompt set, from stage 1 (absent: not in the graph)."""
+    stage3_synth: SynthStage | None = None
+    """Rejection-sampled synthetic data from the stage 2 model (absent: not in the graph)."""
     stage3_sft: SFTStage | None = None
     """SFT of the stage 1 model on the synthesised data (absent: not in the graph)."""
+    stage4_grpo: GRPOStage | None = None
+    """GRPO again, from stage 3 (absent: not in the graph)."""
 
-    def stages(self) -> dict[str, SFTStage]:
+    def stages(self) -> dict[str, "SFTStage | GRPOStage | SynthStage"]:
         """The stage graph: present stages in their canonical order."""
         return {sid: getattr(self, sid) for sid in STAGE_IDS if getattr(self, sid, None) is not None}
 
@@ -256,17 +328,20 @@ def _check_consistency(cfg: RunConfig, base: Path) -> None:
         raise ConfigError("stage1_sft", "no stage is configured: the graph is empty")
     earlier: list[str] = []
     for sid, stage in cfg.stages().items():
-        _check_sft_stage(cfg, sid, stage, dims, earlier)
+        for src in stage.upstream():
+            if src not in earlier:
+                raise ConfigError(f"{sid}.{'init_from' if src == stage.init_from else 'data'}",
+                                  f"{src!r} is not an earlier stage of this graph ({earlier})")
+        if isinstance(stage, SFTStage):
+            _check_sft_stage(cfg, sid, stage, dims)
+        elif isinstance(stage, GRPOStage):
+            _check_grpo_stage(cfg, sid, stage)
         earlier.append(sid)
 
 
-def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict, earlier: list[str]) -> None:
+def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
     for name in ("steps", "global_batch_size", "micro_batch_size", "max_seq_len", "lr"):
         _positive(f"{sid}.{name}", getattr(s, name))
-    if s.init_from != "base" and s.init_from not in earlier:
-        raise ConfigError(f"{sid}.init_from", f"{s.init_from!r} is neither 'base' nor an earlier stage ({earlier})")
-    if s.data != "curated" and s.data not in earlier:
-        raise ConfigError(f"{sid}.data", f"{s.data!r} is neither 'curated' nor an earlier stage ({earlier})")
     if s.min_lr > s.lr:
         raise ConfigError(f"{sid}.min_lr", f"{s.min_lr} is above lr ({s.lr})")
     p = s.parallel
@@ -283,6 +358,18 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict, earlier:
     if s.global_batch_size % (s.micro_batch_size * dp):
         raise ConfigError(f"{sid}.global_batch_size", f"{s.global_batch_size} is not a multiple of "
                           f"micro_batch_size * data-parallel size ({s.micro_batch_size} * {dp})")
+
+
+def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "lr", "ppo_epochs", "mini_batches"):
+        _positive(f"{sid}.{name}", getattr(s, name))
+    if s.group_size < 2:
+        raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
+    if s.prompts_per_step % cfg.nproc:
+        raise ConfigError(f"{sid}.prompts_per_step", f"{s.prompts_per_step} is not a multiple of nproc ({cfg.nproc})")
+    if (s.prompts_per_step // cfg.nproc) % s.mini_batches:
+        raise ConfigError(f"{sid}.mini_batches", f"{s.mini_batches} does not divide the prompts per rank "
+                          f"({s.prompts_per_step // cfg.nproc})")
 
 
 def _positive(field: str, value) -> None:

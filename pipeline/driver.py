@@ -46,9 +46,8 @@ def _write_config(cfg: RunConfig, run: RunDir) -> None:
 
 def _run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, echo) -> None:
     entry = manifest.stage(sid)
-    stage = getattr(cfg, sid)
-    for src in (stage.init_from, stage.data):
-        if src not in ("base", "curated") and manifest.stage(src)["state"] != "done":
+    for src in getattr(cfg, sid).upstream():
+        if manifest.stage(src)["state"] != "done":
             raise StageFailed(f"{sid} starts from {src}, which is not done: run it first")
     digest = input_hash(cfg, sid, manifest)
     if entry["state"] == "done" and entry.get("input_hash") == digest and _final_intact(run, sid, entry):
@@ -75,8 +74,7 @@ def input_hash(cfg: RunConfig, sid: str, manifest: Manifest) -> str:
     """What the stage's result depends on: its own section, the shared sections, and the outputs
     (checksums) of the stages it reads from."""
     stage = getattr(cfg, sid)
-    upstream = {src: manifest.stage(src).get("checksums") for src in (stage.init_from, stage.data)
-                if src not in ("base", "curated")}
+    upstream = {src: manifest.stage(src).get("checksums") for src in stage.upstream()}
     payload = {"stage": stage.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
                "data": cfg.data.model_dump(mode="json"), "seed": cfg.seed, "nproc": cfg.nproc, "upstream": upstream}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

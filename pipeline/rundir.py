@@ -44,6 +44,10 @@ class RunDir:
     def logs(self, stage_id: str) -> Path:
         return self.stage(stage_id) / "logs"
 
+    def synthetic_data(self, stage_id: str) -> Path:
+        """The JSONL a synthesis stage writes (with provenance), read by the SFT stage after it."""
+        return self.stage(stage_id) / "data" / "synthetic.jsonl"
+
     def eval_result(self, stage_id: str) -> Path:
         """Held-out accuracy the stage's ranks measured on final/, picked up into the manifest."""
         return self.stage(stage_id) / "eval.json"

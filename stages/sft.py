@@ -22,7 +22,7 @@ from stages.metrics import MetricsLogger
 def training_file(ctx: StageContext):
     """The curated SFT set, or the dataset a synthesis stage wrote."""
     source = ctx.stage.data
-    return ctx.run.task_file("sft") if source == "curated" else ctx.run.stage(source) / "data" / "synthetic.jsonl"
+    return ctx.run.task_file("sft") if source == "curated" else ctx.run.synthetic_data(source)
 
 
 def run(ctx: StageContext) -> None:
