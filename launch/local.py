@@ -19,12 +19,18 @@ def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
             f"--master-port={free_port()}", "-m", "launch.worker", str(run_dir), stage_id]
 
 
+def repo_env() -> dict[str, str]:
+    """This environment with the repository importable by the rank processes."""
+    env = dict(os.environ)
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
+    return env
+
+
 def run_stage_locally(run_dir: Path, stage_id: str, nproc: int) -> int:
     """Runs the stage to completion; returns torchrun's exit code. Rank logs go to <stage>/logs/."""
-    env = dict(os.environ)
+    env = repo_env()
     # One intra-op thread pool per rank sized to its share of the cores: oversubscription
     # (every rank using every core) makes gloo collectives and matmuls crawl.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")]))
     return subprocess.run(torchrun_command(run_dir, stage_id, nproc), env=env).returncode

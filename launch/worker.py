@@ -27,6 +27,7 @@ def redirect_output(log_dir: Path, rank: int):
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
     from launch.dist import discover_ranks, init_distributed, shutdown_distributed
+    from launch.preemption import install_handlers
     from pipeline.config import RunConfig
     from pipeline.rundir import RunDir
     from stages.context import StageContext
@@ -35,10 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     info = init_distributed()
+    install_handlers()
     ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal)
     try:
         stage_runner(ctx)(ctx)
-    except BaseException:
+    except Exception:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
         raise
     finally:

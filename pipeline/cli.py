@@ -41,6 +41,30 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     show.set_defaults(func=cmd_config)
 
+    sb = sub.add_parser("submit", help="submit the stages as chained Slurm jobs")
+    sb.add_argument("config")
+    sb.add_argument("--cluster", required=True, help="profile name in slurm/profiles/ or a YAML path")
+    sb.add_argument("--nodes", type=int, default=1, help="nodes per stage job")
+    sb.add_argument("--run-dir", help="default: runs/<name>")
+    sb.add_argument("--dry-run", action="store_true", help="write and print the scripts, submit nothing")
+    sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    sb.set_defaults(func=cmd_submit)
+
+    rs = sub.add_parser("resume", help="continue a run from its first stage that is not done")
+    rs.add_argument("run_dir")
+    rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
+    rs.add_argument("--nodes", type=int, default=1)
+    rs.set_defaults(func=cmd_resume)
+
+    cn = sub.add_parser("cancel", help="cancel a run's queued and running Slurm jobs")
+    cn.add_argument("run_dir")
+    cn.set_defaults(func=cmd_cancel)
+
+    st = sub.add_parser("stage", help="(inside a batch job) run one stage of a run directory")
+    st.add_argument("run_dir")
+    st.add_argument("stage_id")
+    st.set_defaults(func=cmd_stage)
+
     status = sub.add_parser("status", help="the state of each stage of a run")
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
@@ -69,6 +93,58 @@ def cmd_run(args) -> int:
         return 1
     print(f"run directory: {run.root}")
     return 0
+
+
+def cmd_submit(args) -> int:
+    from launch.cluster import load_profile
+    from pipeline.config import load_config
+    from pipeline.rundir import RunDir
+    from pipeline.submit import submit
+
+    cfg = load_config(args.config, args.overrides)
+    run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
+    submit(cfg, run, Path(args.config).parent, load_profile(args.cluster), args.nodes, args.dry_run)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from launch.cluster import load_profile
+    from pipeline.config import load_resolved
+    from pipeline.driver import StageFailed, run_pipeline
+    from pipeline.rundir import RunDir
+    from pipeline.submit import submit
+
+    run = RunDir(Path(args.run_dir))
+    cfg = load_resolved(run)
+    if args.cluster:
+        submit(cfg, run, run.root, load_profile(args.cluster), args.nodes, dry_run=False)
+        return 0
+    try:
+        run_pipeline(cfg, run, run.root)
+    except StageFailed as e:
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from pipeline.rundir import RunDir
+    from pipeline.submit import cancel
+
+    cancel(RunDir(Path(args.run_dir)))
+    return 0
+
+
+def cmd_stage(args) -> int:
+    from pipeline.driver import StageFailed
+    from pipeline.rundir import RunDir
+    from pipeline.submit import run_stage_job
+
+    try:
+        return run_stage_job(RunDir(Path(args.run_dir)), args.stage_id)
+    except StageFailed as e:
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return 1
 
 
 def cmd_config(args) -> int:

@@ -250,7 +250,25 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         field = ".".join(str(p) for p in err["loc"]) or "<top level>"
         raise ConfigError(field, f"{err['msg']} (got {err.get('input')!r})"[:300]) from None
     _check_consistency(cfg, Path(path).parent)
-    return cfg
+    return _with_absolute_paths(cfg, Path(path).parent)
+
+
+def _with_absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
+    """File paths relative to the config file become absolute, so the resolved config in the run
+    directory means the same from anywhere (a batch job, `hpcr1 resume`)."""
+    def absolute(p):
+        return None if p is None else str(resolve_path(base, p).resolve())
+
+    data = cfg.data.model_copy(update={k: absolute(getattr(cfg.data, k)) for k in ("sft_file", "prompts_file", "eval_file")})
+    model = cfg.model.model_copy(update={"path": absolute(cfg.model.path)})
+    return cfg.model_copy(update={"data": data, "model": model})
+
+
+def load_resolved(run) -> RunConfig:
+    """The config a run directory was made with (already validated when it was written)."""
+    if not run.config.is_file():
+        raise ConfigError(str(run.root), "not a run directory (no config.yaml)")
+    return RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
 
 
 def dump_config(cfg: RunConfig) -> str:

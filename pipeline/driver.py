@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from launch.local import run_stage_locally
+from launch.preemption import PREEMPTED_EXIT
 from pipeline.atomic import atomic_write_text, tree_checksums
 from pipeline.config import ConfigError, RunConfig, dump_config
 from pipeline.inputs import load_task, prepare_inputs
@@ -22,20 +23,40 @@ class StageFailed(RuntimeError):
     pass
 
 
+class StagePreempted(RuntimeError):
+    """The ranks checkpointed and stopped on a signal; starting the stage again continues it."""
+
+
 def run_pipeline(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] | None = None,
                  echo=print) -> None:
-    graph = cfg.stages()
-    unknown = [sid for sid in only or () if sid not in graph]
+    prepare_run(cfg, run, config_dir, only)
+    manifest = Manifest(run.root)
+    for sid in cfg.stages():
+        if not only or sid in only:
+            run_stage(cfg, run, manifest, sid, lambda: run_stage_locally(run.root, sid, cfg.nproc), echo)
+
+
+def prepare_run(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] | None = None) -> None:
+    """Check --only, read every data file (nothing is written if one is bad), then write the
+    resolved config and the inputs."""
+    unknown = [sid for sid in only or () if sid not in cfg.stages()]
     if unknown:
-        raise ConfigError("--only", f"{', '.join(unknown)} not in this config's stages ({', '.join(graph)})")
-    task = load_task(cfg, config_dir)  # reads every data file before anything is written
+        raise ConfigError("--only", f"{', '.join(unknown)} not in this config's stages ({', '.join(cfg.stages())})")
+    task = load_task(cfg, config_dir)
     _write_config(cfg, run)
     prepare_inputs(cfg, run, task, config_dir)
-    manifest = Manifest(run.root)
-    for sid in graph:
-        if only and sid not in only:
-            continue
-        _run_stage(cfg, run, manifest, sid, echo)
+
+
+def stages_to_run(cfg: RunConfig, run: RunDir, manifest: Manifest) -> list[str]:
+    """Stages not done with their current inputs, in graph order (a changed stage makes every later
+    one that reads it changed too, through the checksums in the input hash)."""
+    return [sid for sid in cfg.stages() if not _is_current(cfg, run, manifest, sid)]
+
+
+def _is_current(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> bool:
+    entry = manifest.stage(sid)
+    return (entry["state"] == "done" and entry.get("input_hash") == input_hash(cfg, sid, manifest)
+            and _final_intact(run, sid, entry))
 
 
 def _write_config(cfg: RunConfig, run: RunDir) -> None:
@@ -44,15 +65,17 @@ def _write_config(cfg: RunConfig, run: RunDir) -> None:
         atomic_write_text(run.config, text)
 
 
-def _run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, echo) -> None:
+def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch, echo=print) -> None:
+    """Skip the stage if it is done with the same inputs; otherwise `launch()` its ranks (returning
+    their exit code) and record the outcome in the manifest."""
     entry = manifest.stage(sid)
     for src in getattr(cfg, sid).upstream():
         if manifest.stage(src)["state"] != "done":
             raise StageFailed(f"{sid} starts from {src}, which is not done: run it first")
-    digest = input_hash(cfg, sid, manifest)
-    if entry["state"] == "done" and entry.get("input_hash") == digest and _final_intact(run, sid, entry):
+    if _is_current(cfg, run, manifest, sid):
         echo(f"{sid}: done (accuracy {entry.get('eval', {}).get('accuracy')}), skipped")
         return
+    digest = input_hash(cfg, sid, manifest)
     if entry.get("input_hash") not in (None, digest):
         # Checkpoints of other inputs must not be resumed from.
         shutil.rmtree(run.stage(sid), ignore_errors=True)
@@ -60,7 +83,10 @@ def _run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, echo) 
     manifest.start_attempt(sid)
     manifest.update(sid, input_hash=digest)
     echo(f"{sid}: starting (attempt {manifest.stage(sid)['attempts']}, {cfg.nproc} ranks)")
-    rc = run_stage_locally(run.root, sid, cfg.nproc)
+    rc = launch()
+    if rc == PREEMPTED_EXIT:
+        manifest.update(sid, state="pending", preempted=manifest.stage(sid).get("preempted", 0) + 1)
+        raise StagePreempted(f"{sid} checkpointed and stopped on a signal; run it again to continue")
     if rc != 0:
         manifest.fail(sid, f"ranks exited with code {rc}; logs in {run.logs(sid)}")
         raise StageFailed(f"{sid} failed (exit code {rc}); rank logs: {run.logs(sid)}\n{_log_tail(run, sid)}")

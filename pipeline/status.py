@@ -1,9 +1,10 @@
-"""`hpcr1 status`: one line per stage from the manifest and the stage's metrics."""
+"""`hpcr1 status`: one line per stage from the manifest, the stage's metrics and Slurm."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from launch.slurm_jobs import job_states
 from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
 
@@ -17,10 +18,15 @@ def last_step(metrics: Path) -> int | None:
 
 def stage_rows(run_dir: Path) -> list[str]:
     run, manifest = RunDir(run_dir), Manifest(run_dir)
-    rows = [f"{'stage':<14} {'state':<8} {'attempts':>8} {'last step':>9}  {'accuracy':>8}  ended"]
-    for sid, entry in manifest.data["stages"].items():
+    stages = manifest.data["stages"]
+    slurm = job_states([e["job_id"] for e in stages.values() if e.get("job_id")])
+    rows = [f"{'stage':<14} {'state':<8} {'attempts':>8} {'last step':>9} {'accuracy':>8}  {'job':<8} "
+            f"{'slurm state':<12} {'elapsed':>9}"]
+    for sid, entry in stages.items():
         accuracy = entry.get("eval", {}).get("accuracy")
         step = last_step(run.metrics(sid))
-        rows.append(f"{sid:<14} {entry['state']:<8} {entry['attempts']:>8} {step if step is not None else '-':>9}  "
-                    f"{accuracy if accuracy is not None else '-':>8}  {entry.get('ended') or '-'}")
+        job = entry.get("job_id") or "-"
+        state, elapsed = slurm.get(job, ("-", "-"))
+        rows.append(f"{sid:<14} {entry['state']:<8} {entry['attempts']:>8} {'-' if step is None else step:>9} "
+                    f"{'-' if accuracy is None else f'{accuracy:.3f}':>8}  {job:<8} {state:<12} {elapsed:>9}")
     return rows

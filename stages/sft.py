@@ -9,6 +9,7 @@ import time
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from launch.preemption import PREEMPTED_EXIT, stop_requested
 from pipeline.atomic import atomic_write_text
 from stages.checkpoint import CheckpointDir, agreed_resume_step
 from stages.context import StageContext
@@ -56,6 +57,10 @@ def run(ctx: StageContext) -> None:
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}")
         if step % stage.checkpoint_every == 0 or step == stage.steps:
             save_checkpoint(engine, ckpts, step)
+        elif stop_requested():
+            save_checkpoint(engine, ckpts, step)
+            ctx.log.info("stopping at step %d on request; the next attempt resumes here", step)
+            raise SystemExit(PREEMPTED_EXIT)
     bar.close()
     metrics.close()
     finish(ctx, engine, init_dir)

@@ -1,0 +1,86 @@
+"""Cluster profiles (slurm/profiles/<name>.yaml): what an expert would put in an sbatch script for
+that machine. Typed like the run config: unknown keys and wrong types are errors naming the field."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import ValidationError, field_validator
+
+from pipeline.config import ConfigError, Section
+
+PROFILES = Path(__file__).resolve().parents[1] / "slurm" / "profiles"
+# Values that go into #SBATCH lines: sbatch parses those lines itself, so they must be plain tokens.
+_DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%=+/-]*$")
+
+
+class ClusterProfile(Section):
+    name: str
+    """Profile name (the --cluster value)."""
+    launcher: Literal["srun", "torchrun"] = "srun"
+    """'srun': one task per rank (rank/world from the Slurm env); 'torchrun': one per node, c10d rendezvous."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 on CPU clusters); with srun, tasks per node = GPUs per node."""
+    ranks_per_node: int = 2
+    """Ranks per node when gpus_per_node is 0."""
+    cpus_per_task: int = 1
+    """CPU cores per rank."""
+    partition: str | None = None
+    """Slurm partition (-p)."""
+    account: str | None = None
+    """Slurm account (-A)."""
+    qos: str | None = None
+    """Quality of service (-q)."""
+    constraint: str | None = None
+    """Node features (-C), e.g. 'gpu' on Perlmutter."""
+    time_limit: str = "02:00:00"
+    """Wall-clock limit per stage job (--time)."""
+    signal_seconds: int = 120
+    """Seconds before the limit at which the stage is told to checkpoint and requeue (--signal=B:USR1@s)."""
+    requeue: bool = True
+    """Let preempted or time-limited jobs be requeued (--requeue)."""
+    extra_directives: list[str] = []
+    """More #SBATCH options, e.g. '--exclusive' (plain tokens only)."""
+    env: dict[str, str] = {}
+    """Environment set before launch (NCCL/libfabric settings, caches)."""
+    setup: list[str] = []
+    """Shell lines run before the stage, e.g. 'module load cudatoolkit' (trusted: written by the site)."""
+    stage_to_node_local: bool = False
+    """Copy the starting model and tokenizer to node-local storage first (keeps the parallel file system out of the hot path)."""
+    node_local_dir: str = "/tmp"
+    """Node-local directory used for staging and for HF/Triton caches."""
+
+    @field_validator("partition", "account", "qos", "constraint", "time_limit")
+    @classmethod
+    def _plain_token(cls, value):
+        if value is not None and not _DIRECTIVE_VALUE.match(value):
+            raise ValueError(f"{value!r} is not a plain token usable in an #SBATCH line")
+        return value
+
+    @field_validator("extra_directives")
+    @classmethod
+    def _plain_directives(cls, values):
+        for value in values:
+            if not value.startswith("--") or not _DIRECTIVE_VALUE.match(value):
+                raise ValueError(f"{value!r} is not a plain --option[=value]")
+        return values
+
+    def tasks_per_node(self) -> int:
+        return self.gpus_per_node or self.ranks_per_node
+
+
+def load_profile(name_or_path: str, overrides: dict | None = None) -> ClusterProfile:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PROFILES / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.yaml")))
+        raise ConfigError("--cluster", f"no cluster profile {name_or_path!r} (known: {known})")
+    raw = {**yaml.safe_load(path.read_text()), **(overrides or {})}
+    try:
+        return ClusterProfile.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{path.name}:" + ".".join(str(p) for p in err["loc"]), err["msg"]) from None

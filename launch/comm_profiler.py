@@ -1,0 +1,333 @@
+"""Records every torch.distributed collective and point-to-point call as one event (DESIGN.md,
+"Communication events"), whoever makes it: our code, megatron-core, DeepSpeed, DDP's C++ reducer,
+FSDP2 and functional collectives.
+
+Why the dispatcher and not patched `torch.distributed` functions: every c10d call ends in a
+dispatcher op (`c10d::allreduce_`, ...; even DDP's reducer and ProcessGroup's C++ methods go through
+them), whereas patched functions miss callers that imported the function object before the patch
+and everything issued from C++. A TorchDispatchMode would also see them, but it runs Python on every
+aten op of the step. So `start()` registers a Python kernel for the c10d ops alone, at the Autograd
+dispatch keys (always in a dense tensor's key set, and unused by these ops): it notes the call and
+re-dispatches below autograd to the real backend kernel. Only the communication calls pay.
+
+Functional collectives (`_c10d_functional::*`, used by DTensor and compiled code) call the c10d ops
+from inside an op that already runs below autograd, so the inner call is invisible here; they are
+recorded at their own level instead (completion observed at `wait_tensor`), and never twice.
+
+Completion: the backend's Work future; its callback stamps `t_end` (gloo runs it when the transfer
+is done). On CUDA the future completes at enqueue, but its callback runs with the current stream
+made to wait for the collective, so a CUDA event recorded there marks the GPU-side end; events are
+turned into wall-clock times at flush.
+
+Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
+they are as good as the nodes' clock synchronisation.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launch.phases import current_phase
+
+FIELDS = ("stage", "step", "phase", "rank", "op", "bytes", "dtype", "group_size", "group_ranks", "peer", "seq",
+          "t_start", "t_end", "backend", "source")
+DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+_active: CommProfiler | None = None
+_caller = threading.local()  # .source: set while a library's own comm API (deepspeed.comm) is on the stack
+
+
+def nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(nbytes(t) for t in x) if isinstance(x, (list, tuple)) else 0
+
+
+def first_tensor(x) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    for item in x if isinstance(x, (list, tuple)) else ():
+        found = first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+# c10d op -> (our op name, index of the argument whose size is S in nccl-tests' terms, index of the
+# process group, index of the peer's group rank or None). S is the whole array: the gathered output
+# of all_gather, the input of reduce_scatter and all_to_all, the tensor itself otherwise.
+C10D_OPS = {
+    "allreduce_": ("all_reduce", 0, 1, None),
+    "allreduce_coalesced_": ("all_reduce", 0, 1, None),
+    "allgather_": ("all_gather", 0, 2, None),
+    "_allgather_base_": ("all_gather", 0, 2, None),
+    "allgather_coalesced_": ("all_gather", 0, 2, None),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 2, None),
+    "reduce_scatter_": ("reduce_scatter", 1, 2, None),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 2, None),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 2, None),
+    "alltoall_": ("all_to_all", 1, 2, None),
+    "alltoall_base_": ("all_to_all", 1, 2, None),
+    "broadcast_": ("broadcast", 0, 1, None),
+    "reduce_": ("reduce", 0, 1, None),
+    "gather_": ("gather", 1, 2, None),
+    "scatter_": ("scatter", 0, 2, None),
+    "barrier": ("barrier", None, 1, None),
+    "monitored_barrier_": ("barrier", None, 1, None),
+    "send": ("send", 0, 1, 2),
+    "recv_": ("recv", 0, 1, 2),
+    "recv_any_source_": ("recv", 0, 1, None),
+}
+# gather/scatter move one rank's piece to or from every rank: S = piece * group size.
+PER_RANK_PIECE = {"gather", "scatter"}
+
+# _c10d_functional op -> (our op name, index of the group name, index of the peer or None,
+# whether S is the input times the group size (all_gather) or the input itself).
+FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", 2, None, False),
+    "all_reduce_": ("all_reduce", 2, None, False),
+    "all_reduce_coalesced": ("all_reduce", 2, None, False),
+    "all_reduce_coalesced_": ("all_reduce", 2, None, False),
+    "all_gather_into_tensor": ("all_gather", 2, None, True),
+    "all_gather_into_tensor_out": ("all_gather", 2, None, True),
+    "all_gather_into_tensor_coalesced": ("all_gather", 2, None, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 3, None, False),
+    "reduce_scatter_tensor_out": ("reduce_scatter", 3, None, False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 3, None, False),
+    "all_to_all_single": ("all_to_all", 3, None, False),
+    "broadcast": ("broadcast", 2, None, False),
+    "broadcast_": ("broadcast", 2, None, False),
+    "isend": ("send", 3, 1, False),
+    "irecv": ("recv", 3, 1, False),
+}
+
+
+class CommProfiler:
+    """Per-rank recorder of communication events, written to `<out_dir>/rank-NNNNN.jsonl`.
+
+    with CommProfiler(run.profile(stage_id), stage_id, rank) as prof:
+        for step in ...:
+            prof.set_step(step)
+            ...
+            prof.flush()   # optional: writes what has completed so far
+    """
+
+    def __init__(self, out_dir: Path, stage: str, rank: int):
+        self.path = Path(out_dir) / f"rank-{rank:05d}.jsonl"
+        self.stage, self.rank, self.step = stage, rank, 0
+        self.events: list[list] = []  # rows in FIELDS order, t_end filled in on completion
+        self._seq: dict[tuple, int] = {}
+        self._groups: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._libs: list[torch.library.Library] = []
+        self._cuda_clock: tuple[float, torch.cuda.Event] | None = None
+        self._pending_functional: dict[int, list] = {}
+        self._waiter_pool: ThreadPoolExecutor | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> CommProfiler:
+        global _active
+        if _active is not None:
+            raise RuntimeError("a CommProfiler is already active in this process")
+        _active = self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if torch.cuda.is_available():
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record()
+            torch.cuda.synchronize()
+            self._cuda_clock = (time.time(), ref)
+        self._libs = [torch.library.Library("c10d", "IMPL"), torch.library.Library("_c10d_functional", "IMPL")]
+        for name in C10D_OPS:
+            self._register(self._libs[0], "c10d", name, self._c10d_kernel)
+        for name in [*FUNCTIONAL_OPS, "wait_tensor"]:
+            self._register(self._libs[1], "_c10d_functional", name, self._functional_kernel)
+        tag_library_callers()
+        return self
+
+    def _register(self, lib, namespace: str, name: str, kernel_factory) -> None:
+        op = getattr(getattr(torch.ops, namespace), name).default
+        kernel = kernel_factory(name, op)
+        for key in DISPATCH_KEYS:
+            lib.impl(name, kernel, key)
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def flush(self) -> None:
+        """Append the completed events to the rank's file (pending ones wait for the next flush)."""
+        self._resolve_cuda_times()
+        done = [e for e in self.events if e[12] is not None]
+        self.events = [e for e in self.events if e[12] is None]
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(dict(zip(FIELDS, e))) + "\n" for e in done)
+
+    def stop(self) -> None:
+        global _active
+        for lib in self._libs:
+            lib._destroy()
+        self._libs = []
+        _active = None
+        if self._waiter_pool is not None:
+            self._waiter_pool.shutdown(wait=True)
+        self.flush()
+
+    def __enter__(self) -> CommProfiler:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- recording -------------------------------------------------------------------------
+    def record(self, op: str, nbytes_: int, dtype: str, group_ranks: tuple[int, ...], peer: int | None,
+               backend: str, source: str) -> list:
+        """Append one event (t_end still open) and return it; also used by the mpi4py wrapper."""
+        key = (group_ranks, op)
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        event = [self.stage, self.step, current_phase(), self.rank, op, nbytes_, dtype, len(group_ranks),
+                 list(group_ranks), peer, seq, time.time(), None, backend, source]
+        self.events.append(event)
+        return event
+
+    def _group(self, pg) -> tuple[tuple[int, ...], str]:
+        if isinstance(pg, torch.ScriptObject):
+            pg = dist.ProcessGroup.unbox(pg)
+        name = pg.group_name
+        if name not in self._groups:
+            self._groups[name] = (tuple(dist.get_process_group_ranks(pg)), str(dist.get_backend(pg)))
+        return self._groups[name]
+
+    def _c10d_kernel(self, name: str, op):
+        label, size_arg, pg_arg, peer_arg = C10D_OPS[name]
+
+        def kernel(*args):
+            with torch._C._AutoDispatchBelowAutograd():
+                ranks, backend = self._group(args[pg_arg])
+                sized = args[size_arg] if size_arg is not None else ()
+                size = nbytes(sized) * (len(ranks) if label in PER_RANK_PIECE else 1)
+                tensor = first_tensor(sized)
+                peer = ranks[args[peer_arg]] if peer_arg is not None else None
+                event = self.record(label, size, dtype_name(tensor), ranks, peer, backend, source_name())
+                out = op(*args)
+                self._on_completion(out[1] if isinstance(out, tuple) else out, event, tensor)
+                return out
+
+        return kernel
+
+    def _functional_kernel(self, name: str, op):
+        if name == "wait_tensor":
+            def wait(tensor):
+                with torch._C._AutoDispatchBelowAutograd():
+                    out = op(tensor)
+                    event = self._pending_functional.pop(tensor.data_ptr(), None)
+                    if event is not None:
+                        event[12] = time.time()
+                    return out
+            return wait
+
+        label, group_arg, peer_arg, times_group = FUNCTIONAL_OPS[name]
+
+        def kernel(*args, **kwargs):
+            with torch._C._AutoDispatchBelowAutograd():
+                ranks, backend = self._group(dist.distributed_c10d._resolve_process_group(args[group_arg]))
+                size = nbytes(args[0]) * (len(ranks) if times_group else 1)
+                peer = ranks[args[peer_arg]] if peer_arg is not None else None
+                event = self.record(label, size, dtype_name(first_tensor(args[0])), ranks, peer, backend,
+                                    source_name())
+                out = op(*args, **kwargs)
+                result = first_tensor(out)
+                if result is not None:  # completes when someone waits on the result
+                    self._pending_functional[result.data_ptr()] = event
+                else:
+                    event[12] = time.time()
+                return out
+
+        return kernel
+
+    def _on_completion(self, work, event: list, tensor: torch.Tensor | None) -> None:
+        on_cuda = tensor is not None and tensor.is_cuda and self._cuda_clock is not None
+
+        def done(_fut):
+            if on_cuda:  # runs with the current stream waiting on the collective (see module doc)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                event[12] = end
+            else:
+                event[12] = time.time()
+
+        if isinstance(work, torch.ScriptObject):
+            work = dist.distributed_c10d.Work.unbox(work)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # some gloo ops (reduce_scatter) have no future: wait for them aside
+            self._waiter().submit(lambda: done(work.wait()))
+            return
+        future.then(done)
+
+    def _waiter(self) -> ThreadPoolExecutor:
+        if self._waiter_pool is None:
+            self._waiter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-profiler-wait")
+        return self._waiter_pool
+
+    def _resolve_cuda_times(self) -> None:
+        if self._cuda_clock is None:
+            return
+        wall0, ref = self._cuda_clock
+        for e in self.events:
+            if isinstance(e[12], torch.cuda.Event):
+                e[12].synchronize()
+                e[12] = wall0 + ref.elapsed_time(e[12]) / 1e3
+
+
+def dtype_name(tensor: torch.Tensor | None) -> str | None:
+    return str(tensor.dtype).removeprefix("torch.") if tensor is not None else None
+
+
+def source_name() -> str:
+    return getattr(_caller, "source", None) or "torch.distributed"
+
+
+def active_profiler() -> CommProfiler | None:
+    return _active
+
+
+def tag_library_callers() -> None:
+    """Mark calls made through deepspeed.comm as source "deepspeed" (they are still recorded once,
+    at the c10d op they end in). Patched in the module namespaces DeepSpeed itself calls through
+    (`from deepspeed import comm as dist; dist.all_reduce(...)`); idempotent."""
+    try:
+        import deepspeed.comm as ds_comm
+        import deepspeed.comm.comm as ds_comm_impl
+    except ImportError:
+        return
+    for module in (ds_comm, ds_comm_impl):
+        for name in DEEPSPEED_COMM_API:
+            fn = getattr(module, name, None)
+            if fn is not None and not getattr(fn, "_hpcr1_tagged", False):
+                setattr(module, name, tagged(fn, "deepspeed"))
+
+
+DEEPSPEED_COMM_API = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_base",
+                      "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn", "reduce_scatter",
+                      "reduce_scatter_tensor", "reduce_scatter_base", "reduce_scatter_fn", "all_to_all_single",
+                      "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
+                      "barrier", "monitored_barrier")
+
+
+def tagged(fn, source: str):
+    def call(*args, **kwargs):
+        outer = getattr(_caller, "source", None)
+        _caller.source = outer or source
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _caller.source = outer
+
+    call.__name__, call.__doc__, call.__wrapped__ = fn.__name__, fn.__doc__, fn
+    call._hpcr1_tagged = True
+    return call

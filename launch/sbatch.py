@@ -1,0 +1,69 @@
+"""Rendering one stage's sbatch script from a cluster profile.
+
+Only plain tokens (validated by the profile) go into #SBATCH lines. Everything a user controls —
+the run directory, paths, environment values — reaches the shell through `shlex.quote`, and the job
+name and output file are passed on sbatch's command line (no shell parses them), so quotes, `$()`,
+backticks, spaces or newlines in them cannot run anything.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from launch.cluster import ClusterProfile
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
+REPO = Path(__file__).resolve().parents[1]
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def directives(profile: ClusterProfile, nodes: int) -> list[str]:
+    lines = [f"--nodes={nodes}", f"--ntasks-per-node={profile.tasks_per_node()}",
+             f"--cpus-per-task={profile.cpus_per_task}", f"--time={profile.time_limit}",
+             f"--signal=B:USR1@{profile.signal_seconds}", "--open-mode=append"]
+    if profile.gpus_per_node:
+        lines.append(f"--gpus-per-node={profile.gpus_per_node}")
+    for flag, value in (("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
+                        ("constraint", profile.constraint)):
+        if value:
+            lines.append(f"--{flag}={value}")
+    if profile.requeue:
+        lines.append("--requeue")
+    return lines + profile.extra_directives
+
+
+def env_exports(profile: ClusterProfile) -> list[str]:
+    exports = []
+    for name, value in profile.env.items():
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"cluster profile env: {name!r} is not a valid variable name")
+        exports.append(f"export {name}={shlex.quote(value)}")
+    return exports
+
+
+def render_stage_script(profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int,
+                        python: str = sys.executable) -> str:
+    q = shlex.quote
+    return TEMPLATE.read_text().format(
+        directives="\n".join(f"#SBATCH {d}" for d in directives(profile, nodes)),
+        profile=profile.name,
+        env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
+        setup="\n".join(profile.setup) or "# (no setup lines in the profile)",
+        launcher=q(profile.launcher),
+        node_local=q(profile.node_local_dir) if profile.stage_to_node_local else "''",
+        repo=q(str(REPO)),
+        python=q(python),
+        run_dir=q(str(run_dir)),
+        stage=q(stage_id),
+    )
+
+
+def sbatch_command(script: Path, run_dir: Path, stage_id: str, dependency: str | None) -> list[str]:
+    """The sbatch argv (run without a shell): user-derived values stay single arguments."""
+    cmd = ["sbatch", "--parsable", f"--job-name=hpcr1-{stage_id}",
+           f"--output={run_dir / stage_id / 'logs' / 'slurm-%j.out'}"]
+    if dependency:
+        cmd.append(f"--dependency=afterok:{dependency}")
+    return cmd + [str(script)]

@@ -1,0 +1,52 @@
+"""Inside a Slurm allocation: start the stage's ranks with srun (one task per rank, rank/world
+from the Slurm env) or with torchrun per node (c10d rendezvous on the first node); forward USR1/TERM
+to them. No sleeps: torch.distributed's rendezvous waits for every rank with its own timeout."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.local import repo_env
+
+
+def first_host(nodelist: str) -> str:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()[0]
+
+
+def rendezvous_port(job_id: str) -> int:
+    # Derived from the job id: two jobs sharing a node never pick the same port.
+    return 20000 + int(job_id) % 20000
+
+
+def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
+    worker = ["-m", "launch.worker", str(run_dir), stage_id]
+    if launcher == "srun":
+        return ["srun", "--kill-on-bad-exit=1", "--cpu-bind=none", sys.executable, *worker]
+    nodes = os.environ["SLURM_NNODES"]
+    per_node = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
+    endpoint = f"{first_host(os.environ['SLURM_JOB_NODELIST'])}:{rendezvous_port(os.environ['SLURM_JOB_ID'])}"
+    return ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}", *worker]
+
+
+def run_stage_in_allocation(run_dir: Path, stage_id: str) -> int:
+    env = repo_env()
+    env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
+    env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
+    proc = subprocess.Popen(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env=env)
+
+    # srun passes USR1 on to every task, whose handler asks for a checkpoint (launch/preemption.py).
+    signal.signal(signal.SIGUSR1, lambda signum, frame: proc.send_signal(signum))
+    return proc.wait()
+
+
+def requeue_self() -> None:
+    """Put this job back in the queue to start again at once (Slurm would hold it ~2 min otherwise)."""
+    job = os.environ["SLURM_JOB_ID"]
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)

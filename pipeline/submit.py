@@ -1,0 +1,74 @@
+"""`hpcr1 submit` / `resume --cluster` / `cancel`, and the body of each stage job (`hpcr1 stage`).
+
+Submission writes one sbatch script per stage into <stage>/logs/, and submits the stages that are
+not done in graph order, each depending on the previous with afterok; job ids go into the
+manifest. A dependant of a failed job is killed by Slurm (DependencyParameters=kill_invalid_depend
+on the local cluster; `--kill-on-invalid-dep=yes` on the command line elsewhere).
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from launch.cluster import ClusterProfile
+from launch.sbatch import render_stage_script, sbatch_command
+from launch.slurm_launch import requeue_self, run_stage_in_allocation
+from pipeline.atomic import atomic_write_text
+from pipeline.config import ConfigError, RunConfig, load_resolved
+from pipeline.driver import StagePreempted, prepare_run, run_stage, stages_to_run
+from pipeline.manifest import Manifest
+from pipeline.rundir import RunDir
+
+
+def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
+           dry_run: bool, echo=print) -> dict[str, str]:
+    """Returns {stage id: job id} (script paths on a dry run)."""
+    if nodes < 1:
+        raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
+    world = nodes * profile.tasks_per_node()
+    if world != cfg.nproc:
+        raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
+                          f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
+    prepare_run(cfg, run, config_dir)
+    manifest = Manifest(run.root)
+    submitted: dict[str, str] = {}
+    previous = None
+    for sid in stages_to_run(cfg, run, manifest):
+        script = run.logs(sid) / f"{sid}.sbatch"
+        atomic_write_text(script, render_stage_script(profile, run.root.resolve(), sid, nodes))
+        cmd = sbatch_command(script, run.root.resolve(), sid, previous)
+        if dry_run:
+            echo(f"{sid}: {script}\n  {' '.join(cmd)}")
+            submitted[sid] = str(script)
+            continue
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(f"sbatch for {sid} failed: {out.stderr.strip()}")
+        previous = out.stdout.strip().split(";")[0]
+        manifest.update(sid, job_id=previous, cluster=profile.name)
+        submitted[sid] = previous
+        echo(f"{sid}: submitted as job {previous}")
+    return submitted
+
+
+def run_stage_job(run: RunDir, stage_id: str) -> int:
+    """The body of one stage's batch job: run the ranks, requeue the job if they were preempted."""
+    cfg = load_resolved(run)
+    try:
+        run_stage(cfg, run, Manifest(run.root), stage_id, lambda: run_stage_in_allocation(run.root, stage_id))
+    except StagePreempted as e:
+        print(e, flush=True)
+        requeue_self()
+    return 0
+
+
+def cancel(run: RunDir, echo=print) -> list[str]:
+    manifest = Manifest(run.root)
+    jobs = [e["job_id"] for e in manifest.data["stages"].values() if e.get("job_id") and e["state"] != "done"]
+    if jobs:
+        subprocess.run(["scancel", *jobs], check=False)
+    for sid, entry in manifest.data["stages"].items():
+        if entry.get("job_id") in jobs and entry["state"] in ("pending", "running"):
+            manifest.update(sid, state="failed", error="cancelled by hpcr1 cancel")
+    echo(f"cancelled {len(jobs)} job(s): {' '.join(jobs) or '-'}")
+    return jobs
