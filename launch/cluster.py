@@ -47,12 +47,7 @@ class ClusterProfile(Section):
     """Environment set before launch (NCCL/libfabric settings, caches)."""
     setup: list[str] = []
     """Shell lines run before the stage, e.g. 'module load cudatoolkit' (trusted: written by the site)."""
-    stage_to_node_local: bool = False
-    """Copy the starting model and tokenizer to node-local storage first (keeps the parallel file system out of the hot path)."""
-    node_local_dir: str = "/tmp"
-    """Node-local directory used for staging and for HF/Triton caches."""
-
-    @field_validator("partition", "account", "qos", "constraint", "time_limit")
+    @field_validator("name", "partition", "account", "qos", "constraint", "time_limit")
     @classmethod
     def _plain_token(cls, value):
         if value is not None and not _DIRECTIVE_VALUE.match(value):

@@ -52,7 +52,6 @@ def render_stage_script(profile: ClusterProfile, run_dir: Path, stage_id: str, n
         env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
         setup="\n".join(profile.setup) or "# (no setup lines in the profile)",
         launcher=q(profile.launcher),
-        node_local=q(profile.node_local_dir) if profile.stage_to_node_local else "''",
         repo=q(str(REPO)),
         python=q(python),
         run_dir=q(str(run_dir)),

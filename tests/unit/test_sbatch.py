@@ -1,0 +1,86 @@
+"""sbatch scripts rendered for real cluster profiles: the directives and srun line an expert would
+write, valid shell (shellcheck), and hostile strings that stay inert."""
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch.cluster import load_profile
+from launch.sbatch import render_stage_script, sbatch_command
+from launch.slurm_launch import srun_command
+
+PWNED = Path("/tmp/pwned")
+
+
+def directives(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 32])
+def test_perlmutter_script_has_gpu_directives_and_slingshot_env(nodes, tmp_path):
+    script = render_stage_script(load_profile("perlmutter"), tmp_path / "run", "stage2_grpo", nodes)
+    d = directives(script)
+    for expected in (f"--nodes={nodes}", "--ntasks-per-node=4", "--gpus-per-node=4", "--constraint=gpu",
+                     "--qos=regular", "--requeue", "--signal=B:USR1@600", "--exclusive"):
+        assert expected in d, (expected, d)
+    assert "export FI_PROVIDER=cxi" in script and "export NCCL_NET='AWS Libfabric'" in script
+    assert "module load PrgEnv-gnu cudatoolkit" in script
+    assert script.rstrip().endswith(f"-m pipeline.cli stage {shlex.quote(str(tmp_path / 'run'))} stage2_grpo")
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 32])
+def test_generic_script_uses_one_task_per_gpu(nodes, tmp_path):
+    d = directives(render_stage_script(load_profile("generic"), tmp_path, "stage1_sft", nodes))
+    assert f"--nodes={nodes}" in d and "--ntasks-per-node=8" in d and "--gpus-per-node=8" in d
+    assert not any(x.startswith("--constraint") for x in d)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is installed by make test")
+@pytest.mark.parametrize("profile", ["perlmutter", "generic", "local"])
+@pytest.mark.parametrize("nodes", [1, 2, 32])
+def test_rendered_scripts_pass_shellcheck(profile, nodes, tmp_path):
+    script = tmp_path / "stage.sbatch"
+    script.write_text(render_stage_script(load_profile(profile), tmp_path / "run dir", "stage1_sft", nodes))
+    out = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_srun_line_launches_one_worker_per_task(tmp_path):
+    cmd = srun_command(tmp_path, "stage1_sft", "srun")
+    assert cmd[:2] == ["srun", "--kill-on-bad-exit=1"] and cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
+
+
+HOSTILE = ["it's \"quoted\"", "$(touch /tmp/pwned)", "`touch /tmp/pwned`", "new\nline; touch /tmp/pwned",
+           "spa ces & ; | > /tmp/pwned"]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_run_dir_stays_one_inert_argument(hostile, tmp_path):
+    PWNED.unlink(missing_ok=True)
+    run_dir = tmp_path / hostile
+    script = tmp_path / "stage.sbatch"
+    text = render_stage_script(load_profile("local"), run_dir, "stage1_sft", 1)
+    # Make the script print its final command's arguments instead of running the stage.
+    text = text.replace("exec ", "exec printf '%s\\n' ", 1)
+    script.write_text(text)
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.split("\n")
+    assert not PWNED.exists(), "a hostile string was executed"
+    assert str(run_dir) in out.stdout and "stage1_sft" in args
+    assert all(not line.startswith("#SBATCH") or "\n" not in line for line in text.splitlines())
+    cmd = sbatch_command(script, run_dir, "stage1_sft", None)
+    assert any(str(run_dir) in arg for arg in cmd)  # one argv element, never parsed by a shell
+
+
+def test_hostile_profile_values_are_rejected(tmp_path):
+    from pipeline.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\naccount: \"m1234\\n#SBATCH --wrap=touch /tmp/pwned\"\n")
+    with pytest.raises(ConfigError, match="account"):
+        load_profile(str(bad))
