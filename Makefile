@@ -21,13 +21,18 @@ setup: .venv/.done
 	  echo "setup: refusing to finish: nvidia-* packages were installed (a CUDA torch slipped in)"; exit 1; fi
 	touch $@
 
+# Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.
 system-packages:
-	@command -v mpirun >/dev/null || (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null)
+	slurm/local/install.sh
+	@command -v shellcheck >/dev/null && command -v chromium >/dev/null || \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck chromium >/dev/null)
 
 run: setup
 	.venv/bin/hpcr1 run $(CONFIG)
 
+# Starts the local single-node Slurm the tests in tests/slurm submit to.
 test: setup system-packages
+	slurm/local/start.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-quick: setup

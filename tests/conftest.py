@@ -11,6 +11,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A run small enough for tests: 20 SFT steps of the tiny model on 512 arithmetic examples.
+SMALL_RUN = {
+    "name": "small", "seed": 3, "nproc": 2,
+    "data": {"arithmetic": {"sft_size": 512, "prompts_size": 16, "eval_size": 16}},
+    "eval": {"num_examples": 16, "max_new_tokens": 40, "batch_size": 16},
+    "wandb": {"mode": "disabled"},
+    "stage1_sft": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
+                   "warmup_steps": 2, "checkpoint_every": 5, "parallel": {"tp": 1, "pp": 1, "zero_stage": 1}},
+}
+
+
+def hpcr1_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -13,25 +13,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, SMALL_RUN, hpcr1_env
 
 pytestmark = pytest.mark.dist
 
-SMALL = {
-    "name": "sft-test", "seed": 3, "nproc": 2,
-    "data": {"arithmetic": {"sft_size": 512, "prompts_size": 16, "eval_size": 16}},
-    "eval": {"num_examples": 16, "max_new_tokens": 40, "batch_size": 16},
-    "wandb": {"mode": "disabled"},
-    "stage1_sft": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
-                   "warmup_steps": 2, "checkpoint_every": 5, "parallel": {"tp": 1, "pp": 1, "zero_stage": 1}},
-}
-
-
 def hpcr1_run(run_dir: Path, *overrides: str, wait: bool = True):
     config = run_dir.parent / f"{run_dir.name}.yaml"
-    config.write_text(yaml.safe_dump(SMALL))
+    config.write_text(yaml.safe_dump(SMALL_RUN))
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(config), "--run-dir", str(run_dir), *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
+    env = hpcr1_env()
     if not wait:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -1,0 +1,129 @@
+"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, USR1
+checkpoint-and-requeue, and a failed stage ending its dependants — with `hpcr1 status` saying so."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, SMALL_RUN, hpcr1_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+TWO_STAGES = {**SMALL_RUN, "name": "slurm", "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"}}
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    out = subprocess.run(["bash", str(REPO / "slurm" / "local" / "start.sh")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    return {**hpcr1_env(), "SLURM_CONF": conf}
+
+
+def hpcr1(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert not check or out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def submit(env, tmp_path: Path, config: dict, *extra: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    hpcr1(env, "submit", str(path), "--cluster", "local", "--run-dir", str(run), *extra)
+    return run
+
+
+def manifest(run: Path) -> dict:
+    return json.loads((run / "manifest.json").read_text())["stages"]
+
+
+def wait_for(predicate, what: str, timeout: float = 400):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def all_done(run: Path) -> bool:
+    stages = manifest(run)
+    return len(stages) == 2 and all(e["state"] == "done" for e in stages.values())
+
+
+def test_chained_stage_jobs_complete_in_order(slurm_env, tmp_path):
+    run = submit(slurm_env, tmp_path, TWO_STAGES)
+    first, second = manifest(run)["stage1_sft"], manifest(run)["stage3_sft"]
+    assert first["job_id"] != second["job_id"]
+    script = (run / "stage3_sft" / "logs" / "stage3_sft.sbatch").read_text()
+    assert "--signal=B:USR1@30" in script and "--requeue" in script
+    wait_for(lambda: all_done(run), "both stages to finish")
+    stages = manifest(run)
+    assert stages["stage1_sft"]["ended"] <= stages["stage3_sft"]["started"], "afterok chain not respected"
+    status = hpcr1(slurm_env, "status", str(run)).stdout
+    assert status.count("done") == 2 and "COMPLETED" in status, status
+
+
+def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_path):
+    config = {**TWO_STAGES, "stage3_sft": {**TWO_STAGES["stage3_sft"], "steps": 400, "checkpoint_every": 5}}
+    run = submit(slurm_env, tmp_path, config)
+    ckpt = run / "stage3_sft" / "ckpt" / "step-000010"
+    wait_for(ckpt.exists, "stage3_sft's step-10 checkpoint")
+    hpcr1(slurm_env, "cancel", str(run))
+    wait_for(lambda: "RUNNING" not in hpcr1(slurm_env, "status", str(run)).stdout, "the job to end")
+    assert manifest(run)["stage3_sft"]["state"] == "failed"
+    assert "failed" in hpcr1(slurm_env, "status", str(run)).stdout
+
+    hpcr1(slurm_env, "resume", str(run), "--cluster", "local")
+    wait_for(lambda: all_done(run), "the resumed stage")
+    stages = manifest(run)
+    assert stages["stage1_sft"]["attempts"] == 1, "a done stage was recomputed"
+    assert stages["stage3_sft"]["attempts"] == 2
+    log = (run / "stage3_sft" / "logs" / "rank-00000.log").read_text()
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
+    assert resumed and resumed[0] >= 10
+
+
+def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
+    config = {**SMALL_RUN, "name": "usr1", "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 400,
+                                                         "checkpoint_every": 1000}}
+    run = submit(slurm_env, tmp_path, config)
+    job = manifest(run)["stage1_sft"]["job_id"]
+    metrics = run / "stage1_sft" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "training to start")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
+    wait_for(lambda: manifest(run)["stage1_sft"]["state"] == "done", "the requeued job to finish", timeout=600)
+    entry = manifest(run)["stage1_sft"]
+    assert entry["preempted"] == 1 and entry["attempts"] == 2
+    log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
+    stopped = [int(line.split("stopping at step ")[1].split()[0]) for line in log.splitlines()
+               if "stopping at step" in line]
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
+    assert stopped and resumed == stopped, (stopped, resumed)
+
+
+def test_failed_stage_ends_its_dependants(slurm_env, tmp_path):
+    config = {**TWO_STAGES, "name": "fails"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run"
+    # Prepare the inputs, then break the base model so that stage 1 fails while running.
+    hpcr1(slurm_env, "submit", str(path), "--cluster", "local", "--run-dir", str(run), "--dry-run")
+    (run / "inputs" / "model" / "model.safetensors").write_bytes(b"not a safetensors file")
+    hpcr1(slurm_env, "submit", str(path), "--cluster", "local", "--run-dir", str(run))
+    wait_for(lambda: manifest(run)["stage1_sft"]["state"] == "failed", "stage 1 to fail")
+    second = manifest(run)["stage3_sft"]["job_id"]
+    wait_for(lambda: second not in subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True,
+                                                  text=True).stdout, "the dependant to leave the queue", timeout=120)
+    status = hpcr1(slurm_env, "status", str(run)).stdout
+    assert "failed" in status and ("CANCELLED" in status or "DependencyNeverSatisfied" in status), status
