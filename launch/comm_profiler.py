@@ -15,7 +15,8 @@ from inside an op that already runs below autograd, so the inner call is invisib
 recorded at their own level instead (completion observed at `wait_tensor`), and never twice.
 
 Completion: the backend's Work future; its callback stamps `t_end` (gloo runs it when the transfer
-is done). On CUDA the future completes at enqueue, but its callback runs with the current stream
+is done). Gloo's send/recv/reduce_scatter Works have no future: they are stamped when a Python
+`Work.wait()` of their kind returns (torch.distributed's synchronous calls wait at once). On CUDA the future completes at enqueue, but its callback runs with the current stream
 made to wait for the collective, so a CUDA event recorded there marks the GPU-side end; events are
 turned into wall-clock times at flush.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -35,8 +35,10 @@ import torch.distributed as dist
 
 from launch.phases import current_phase
 
+# DESIGN.md's schema, plus async_op: whether the caller went on working while the call ran (the only
+# calls whose time can overlap compute; analysis/overlap.py).
 FIELDS = ("stage", "step", "phase", "rank", "op", "bytes", "dtype", "group_size", "group_ranks", "peer", "seq",
-          "t_start", "t_end", "backend", "source")
+          "t_start", "t_end", "backend", "source", "async_op")
 DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 
 _active: CommProfiler | None = None
@@ -127,7 +129,7 @@ class CommProfiler:
         self._libs: list[torch.library.Library] = []
         self._cuda_clock: tuple[float, torch.cuda.Event] | None = None
         self._pending_functional: dict[int, list] = {}
-        self._waiter_pool: ThreadPoolExecutor | None = None
+        self._unfinished: list[tuple[str, list]] = []  # (op kind, event) of calls whose Work has no future
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> CommProfiler:
@@ -146,6 +148,7 @@ class CommProfiler:
             self._register(self._libs[0], "c10d", name, self._c10d_kernel)
         for name in [*FUNCTIONAL_OPS, "wait_tensor"]:
             self._register(self._libs[1], "_c10d_functional", name, self._functional_kernel)
+        Work.wait = _wait_and_stamp
         tag_library_callers()
         return self
 
@@ -163,8 +166,11 @@ class CommProfiler:
         self._resolve_cuda_times()
         done = [e for e in self.events if e[12] is not None]
         self.events = [e for e in self.events if e[12] is None]
+        self._write(done)
+
+    def _write(self, events: list[list]) -> None:
         with open(self.path, "a") as f:
-            f.writelines(json.dumps(dict(zip(FIELDS, e))) + "\n" for e in done)
+            f.writelines(json.dumps(dict(zip(FIELDS, e))) + "\n" for e in events)
 
     def stop(self) -> None:
         global _active
@@ -172,9 +178,10 @@ class CommProfiler:
             lib._destroy()
         self._libs = []
         _active = None
-        if self._waiter_pool is not None:
-            self._waiter_pool.shutdown(wait=True)
+        Work.wait = _original_wait
         self.flush()
+        self._write(self.events)  # never completed as far as we could see: t_end stays null
+        self.events = []
 
     def __enter__(self) -> CommProfiler:
         return self.start()
@@ -184,13 +191,13 @@ class CommProfiler:
 
     # ---- recording -------------------------------------------------------------------------
     def record(self, op: str, nbytes_: int, dtype: str, group_ranks: tuple[int, ...], peer: int | None,
-               backend: str, source: str) -> list:
+               backend: str, source: str, async_op: bool = False) -> list:
         """Append one event (t_end still open) and return it; also used by the mpi4py wrapper."""
         key = (group_ranks, op)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
         event = [self.stage, self.step, current_phase(), self.rank, op, nbytes_, dtype, len(group_ranks),
-                 list(group_ranks), peer, seq, time.time(), None, backend, source]
+                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op]
         self.events.append(event)
         return event
 
@@ -204,6 +211,8 @@ class CommProfiler:
 
     def _c10d_kernel(self, name: str, op):
         label, size_arg, pg_arg, peer_arg = C10D_OPS[name]
+        names = [a.name for a in op._schema.arguments]
+        async_arg = names.index("async_op") if "async_op" in names else None
 
         def kernel(*args):
             with torch._C._AutoDispatchBelowAutograd():
@@ -212,7 +221,8 @@ class CommProfiler:
                 size = nbytes(sized) * (len(ranks) if label in PER_RANK_PIECE else 1)
                 tensor = first_tensor(sized)
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
-                event = self.record(label, size, dtype_name(tensor), ranks, peer, backend, source_name())
+                is_async = bool(args[async_arg]) if async_arg is not None and async_arg < len(args) else False
+                event = self.record(label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async)
                 out = op(*args)
                 self._on_completion(out[1] if isinstance(out, tuple) else out, event, tensor)
                 return out
@@ -238,7 +248,7 @@ class CommProfiler:
                 size = nbytes(args[0]) * (len(ranks) if times_group else 1)
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
                 event = self.record(label, size, dtype_name(first_tensor(args[0])), ranks, peer, backend,
-                                    source_name())
+                                    source_name(), async_op=True)
                 out = op(*args, **kwargs)
                 result = first_tensor(out)
                 if result is not None:  # completes when someone waits on the result
@@ -264,15 +274,18 @@ class CommProfiler:
             work = dist.distributed_c10d.Work.unbox(work)
         try:
             future = work.get_future()
-        except RuntimeError:  # some gloo ops (reduce_scatter) have no future: wait for them aside
-            self._waiter().submit(lambda: done(work.wait()))
+        except RuntimeError:  # gloo's send/recv/reduce_scatter have no future: stamped when waited on
+            self._unfinished.append((label_key(event[4]), event))
             return
         future.then(done)
 
-    def _waiter(self) -> ThreadPoolExecutor:
-        if self._waiter_pool is None:
-            self._waiter_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-profiler-wait")
-        return self._waiter_pool
+    def _stamp_waited(self, work) -> None:
+        """A Python `Work.wait()` returned: the oldest unfinished call of its kind is complete. (The
+        caller's Work is another Python object than ours, so kinds, not identities, are matched; gloo
+        gives some Works no kind (OpType UNKNOWN), and then the oldest unfinished call is taken.)"""
+        kind = label_key(str(work._get_op_type()).rsplit(".", 1)[-1])
+        index = next((i for i, (key, _) in enumerate(self._unfinished) if key in kind), 0)
+        self._unfinished.pop(index)[1][12] = time.time()
 
     def _resolve_cuda_times(self) -> None:
         if self._cuda_clock is None:
@@ -282,6 +295,21 @@ class CommProfiler:
             if isinstance(e[12], torch.cuda.Event):
                 e[12].synchronize()
                 e[12] = wall0 + ref.elapsed_time(e[12]) / 1e3
+
+
+Work = dist.distributed_c10d.Work
+_original_wait = Work.wait
+
+
+def _wait_and_stamp(work, *args, **kwargs):
+    out = _original_wait(work, *args, **kwargs)
+    if _active is not None and _active._unfinished:
+        _active._stamp_waited(work)
+    return out
+
+
+def label_key(name: str) -> str:
+    return name.replace("_", "").lower()
 
 
 def dtype_name(tensor: torch.Tensor | None) -> str | None:

@@ -372,6 +372,12 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
             raise ConfigError(f"{sid}.parallel.tp", f"{p.tp} does not divide the model's {what} ({dims[what]})")
     if dims["num_hidden_layers"] % p.pp:
         raise ConfigError(f"{sid}.parallel.pp", f"{p.pp} does not divide the model's layers ({dims['num_hidden_layers']})")
+    if p.pp > 1:
+        raise ConfigError(f"{sid}.parallel.pp", "pipeline-parallel SFT training is not implemented yet "
+                          "(PP=2 conversion and forward are); use tp and data parallelism")
+    if p.zero_stage == 3:
+        raise ConfigError(f"{sid}.parallel.zero_stage", "ZeRO-3 is not supported with megatron-core's tensor "
+                          "parallel layers here; use 0, 1 or 2")
     dp = cfg.nproc // (p.tp * p.pp)
     if s.global_batch_size % (s.micro_batch_size * dp):
         raise ConfigError(f"{sid}.global_batch_size", f"{s.global_batch_size} is not a multiple of "

@@ -79,9 +79,7 @@ def deepspeed_config(stage: SFTStage, dp_size: int) -> dict:
 class MegatronDeepSpeedEngine:
     def __init__(self, hf_dir: Path, stage: SFTStage, seed: int):
         apply_cpu_shim()
-        p = stage.parallel
-        if p.pp != 1:
-            raise NotImplementedError("pipeline-parallel SFT training is not implemented yet (pp must be 1)")
+        p = stage.parallel  # pp == 1 and zero_stage < 3: checked by the config
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)

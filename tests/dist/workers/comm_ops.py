@@ -66,9 +66,11 @@ def main(out_dir: str) -> None:
         fully_shard(fsdp)
         train(fsdp, fsdp.parameters(), prof, "fsdp2", first_step=4)
     if rank == 0:
-        grads = sum(p.numel() * p.element_size() for p in model().parameters())
-        numels = [p.numel() for p in model().parameters()]
-        Path(out_dir, "reference.json").write_text(json.dumps({"grad_bytes": grads, "param_numels": numels}))
+        params = list(model().parameters())
+        # FSDP2 shards dim 0 evenly: each parameter is padded to a multiple of the world size there.
+        padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
+        Path(out_dir, "reference.json").write_text(json.dumps({
+            "grad_bytes": sum(p.numel() * p.element_size() for p in params), "padded_grad_bytes": padded}))
     dist.destroy_process_group()
 
 
