@@ -26,6 +26,7 @@ they are as good as the nodes' clock synchronisation.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -153,13 +154,18 @@ class CommProfiler:
         return self
 
     def _register(self, lib, namespace: str, name: str, kernel_factory) -> None:
-        op = getattr(getattr(torch.ops, namespace), name).default
+        ops = getattr(torch.ops, namespace)
+        if not hasattr(ops, name):  # an op this torch release does not have
+            return
+        op = getattr(ops, name).default
         kernel = kernel_factory(name, op)
+        kernel.__name__ = f"hpcr1_profiled_{name}"
         for key in DISPATCH_KEYS:
             lib.impl(name, kernel, key)
 
     def set_step(self, step: int) -> None:
         self.step = step
+        tag_library_callers()  # DeepSpeed may have been imported after start()
 
     def flush(self) -> None:
         """Append the completed events to the rank's file (pending ones wait for the next flush)."""
@@ -213,6 +219,7 @@ class CommProfiler:
         label, size_arg, pg_arg, peer_arg = C10D_OPS[name]
         names = [a.name for a in op._schema.arguments]
         async_arg = names.index("async_op") if "async_op" in names else None
+        call = op._op  # the C++ entry point, without OpOverload's Python-side checks (~5 us a call)
 
         def kernel(*args):
             with torch._C._AutoDispatchBelowAutograd():
@@ -223,7 +230,7 @@ class CommProfiler:
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
                 is_async = bool(args[async_arg]) if async_arg is not None and async_arg < len(args) else False
                 event = self.record(label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async)
-                out = op(*args)
+                out = call(*args)
                 self._on_completion(out[1] if isinstance(out, tuple) else out, event, tensor)
                 return out
 
@@ -272,6 +279,9 @@ class CommProfiler:
 
         if isinstance(work, torch.ScriptObject):
             work = dist.distributed_c10d.Work.unbox(work)
+        if work is None:  # NCCL's synchronous calls run on the current stream and return no Work
+            done(None)
+            return
         try:
             future = work.get_future()
         except RuntimeError:  # gloo's send/recv/reduce_scatter have no future: stamped when waited on
@@ -327,13 +337,10 @@ def active_profiler() -> CommProfiler | None:
 def tag_library_callers() -> None:
     """Mark calls made through deepspeed.comm as source "deepspeed" (they are still recorded once,
     at the c10d op they end in). Patched in the module namespaces DeepSpeed itself calls through
-    (`from deepspeed import comm as dist; dist.all_reduce(...)`); idempotent."""
-    try:
-        import deepspeed.comm as ds_comm
-        import deepspeed.comm.comm as ds_comm_impl
-    except ImportError:
-        return
-    for module in (ds_comm, ds_comm_impl):
+    (`from deepspeed import comm as dist; dist.all_reduce(...)`); idempotent. Only when DeepSpeed is
+    already imported: importing it here would cost a stage that does not use it seconds."""
+    modules = [sys.modules.get("deepspeed.comm"), sys.modules.get("deepspeed.comm.comm")]
+    for module in filter(None, modules):
         for name in DEEPSPEED_COMM_API:
             fn = getattr(module, name, None)
             if fn is not None and not getattr(fn, "_hpcr1_tagged", False):

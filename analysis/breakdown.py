@@ -1,0 +1,130 @@
+"""One stage's communication, summarised: by operation, by phase, per rank, the costliest calls.
+
+Times are per-rank averages (sum over ranks / number of ranks) unless a table says "per rank".
+Bus bandwidth uses the transfer time of matched calls (after the last rank arrived), so that
+waiting for a straggler does not read as a slow network; unmatched calls use their own duration.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from analysis.bandwidth import bus_bandwidth
+from analysis.events import load_events, load_phase_times
+from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
+from analysis.overlap import length, overlap_fraction
+
+GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
+
+
+def top_phase(phase: str) -> str:
+    return phase.split("/", 1)[0]
+
+
+def duration(e: dict) -> float:
+    return max(0.0, e["t_end"] - e["t_start"])
+
+
+@dataclass
+class StageSummary:
+    name: str
+    events: list[dict]
+    calls: list[MatchedCall]
+    phase_wall: dict[str, float]
+    ranks: list[int] = field(init=False)
+    steps: int = field(init=False)
+
+    def __post_init__(self):
+        self.ranks = sorted({e["rank"] for e in self.events})
+        self.steps = len({e["step"] for e in self.events if e["step"]}) or 1
+
+    def per_rank_mean(self, seconds: float) -> float:
+        return seconds / max(1, len(self.ranks))
+
+    def comm_seconds(self) -> float:
+        return self.per_rank_mean(sum(duration(e) for e in self.events))
+
+    def total_bytes(self) -> int:
+        return sum(e["bytes"] for e in self.events if e["rank"] == self.ranks[0])
+
+    def by_op(self) -> list[tuple]:
+        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth GB/s)."""
+        rows = []
+        for op in sorted({e["op"] for e in self.events}):
+            mine = [e for e in self.events if e["op"] == op]
+            per_rank = max(1, len(self.ranks))
+            rows.append((op, len(mine) // per_rank, sum(e["bytes"] for e in mine) // per_rank,
+                         self.per_rank_mean(sum(duration(e) for e in mine)), self.median_busbw(op) / 1e9))
+        return sorted(rows, key=lambda r: -r[3])
+
+    def bandwidth_points(self, op: str) -> list[tuple[int, float]]:
+        """(bytes, bus bandwidth B/s) for each call of `op`, one point per matched call."""
+        matched = {(c.group_ranks, c.seq) for c in self.calls if c.op == op}
+        points = [(c.bytes, bus_bandwidth(op, c.bytes, c.transfer_s, len(c.group_ranks)))
+                  for c in self.calls if c.op == op and c.transfer_s > 0]
+        points += [(e["bytes"], bus_bandwidth(op, e["bytes"], duration(e), e["group_size"])) for e in self.events
+                   if e["op"] == op and (tuple(e["group_ranks"]), e["seq"]) not in matched and duration(e) > 0]
+        return [p for p in points if p[0] > 0]
+
+    def median_busbw(self, op: str) -> float:
+        points = self.bandwidth_points(op)
+        return statistics.median(b for _, b in points) if points else 0.0
+
+    def by_phase_op(self) -> dict[str, dict[str, float]]:
+        """phase -> op -> seconds per rank (full nested phase names)."""
+        table: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for e in self.events:
+            table[e["phase"]][e["op"]] += self.per_rank_mean(duration(e))
+        return {p: dict(ops) for p, ops in table.items()}
+
+    def phase_split(self) -> list[tuple[str, float, float, float]]:
+        """(top-level phase, wall s, communication s not overlapped, compute s) on rank 0.
+
+        Wall time comes from metrics.jsonl; without it, the phase is only what its calls took."""
+        rank0 = [e for e in self.events if e["rank"] == self.ranks[0]]
+        rows = []
+        for name in sorted({top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())):
+            mine = [e for e in rank0 if top_phase(e["phase"]) == name]
+            exposed = length([(e["t_start"], e["t_end"]) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
+            wall = self._top_level_walls().get(name, exposed)
+            rows.append((name, wall, exposed, max(0.0, wall - exposed)))
+        return rows
+
+    def _top_level_walls(self) -> dict[str, float]:
+        return {p: t for p, t in self.phase_wall.items() if "/" not in p}
+
+    def per_rank(self) -> list[tuple[int, float, float, int, float]]:
+        """(rank, comm s, wait s, times it was the straggler, overlap fraction)."""
+        waits, slow = wait_by_rank(self.calls), straggler_counts(self.calls, min_wait_s=1e-3)
+        rows = []
+        for rank in self.ranks:
+            mine = [e for e in self.events if e["rank"] == rank]
+            rows.append((rank, sum(duration(e) for e in mine), waits.get(rank, 0.0), slow.get(rank, 0),
+                         overlap_fraction(mine)))
+        return rows
+
+    def imbalance(self) -> float:
+        """max / mean of the ranks' communication seconds (1.0 = balanced)."""
+        comm = [r[1] for r in self.per_rank()]
+        mean = sum(comm) / len(comm) if comm else 0.0
+        return max(comm) / mean if mean > 0 else 1.0
+
+    def top_calls(self, k: int = 10) -> list[tuple]:
+        """The k matched calls with the most time summed over ranks:
+        (op, phase, step, bytes, ranks, seconds over ranks, transfer s, slow rank, its lead s)."""
+        ranked = sorted(self.calls, key=lambda c: -sum(duration(e) for e in c.events.values()))[:k]
+        return [(c.op, c.phase, c.step, c.bytes, len(c.group_ranks), sum(duration(e) for e in c.events.values()),
+                 c.transfer_s, c.slow_rank, max(c.wait(r) for r in c.events)) for c in ranked]
+
+    def message_sizes(self) -> list[int]:
+        return [e["bytes"] for e in self.events if e["rank"] == self.ranks[0] and e["bytes"] > 0]
+
+    def has_grpo_panels(self) -> bool:
+        return any(top_phase(e["phase"]) in GRPO_PANELS for e in self.events)
+
+
+def summarise_stage(stage_dir: Path) -> StageSummary:
+    events = load_events(stage_dir)
+    return StageSummary(Path(stage_dir).name, events, match_calls(events), load_phase_times(stage_dir))

@@ -1,0 +1,42 @@
+"""Reading a run directory back: the communication events of each stage (profile/rank-*.jsonl) and
+the per-step phase wall times (metrics.jsonl, keys "phase_time/<phase>")."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PHASE_TIME_PREFIX = "phase_time/"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def stage_dirs(run_dir: Path) -> list[Path]:
+    """Stages that left a profile; stage ids sort in pipeline order (stage1_..., stage2_...)."""
+    return [d for d in sorted(Path(run_dir).iterdir()) if d.is_dir() and any((d / "profile").glob("rank-*.jsonl"))]
+
+
+def load_events(stage_dir: Path) -> list[dict]:
+    """Every rank's events of one stage; a call never seen to complete gets t_end = t_start."""
+    events = []
+    for path in sorted((Path(stage_dir) / "profile").glob("rank-*.jsonl")):
+        for e in read_jsonl(path):
+            e["t_end"] = e["t_start"] if e["t_end"] is None else e["t_end"]
+            e.setdefault("async_op", False)
+            events.append(e)
+    return events
+
+
+def load_phase_times(stage_dir: Path) -> dict[str, float]:
+    """Total wall seconds per phase over the stage's steps (rank 0's metrics), {} when not logged."""
+    path = Path(stage_dir) / "metrics.jsonl"
+    totals: dict[str, float] = {}
+    if not path.exists():
+        return totals
+    for row in read_jsonl(path):
+        for key, value in row.items():
+            if key.startswith(PHASE_TIME_PREFIX):
+                name = key.removeprefix(PHASE_TIME_PREFIX)
+                totals[name] = totals.get(name, 0.0) + float(value)
+    return totals

@@ -1,0 +1,70 @@
+"""Matching one collective across the ranks that took part, by (group_ranks, op, seq).
+
+For a matched call, the rank that arrives last (latest t_start) is the straggler: the others wait
+for it. Wait on rank r = latest t_start - t_start on r; transfer time = earliest t_end - latest
+t_start (once everyone is there, the data moves). This differs from "t_end minus the earliest t_end"
+on purpose: a collective completes at about the same moment everywhere, so completion skew hides who
+waited; arrival skew shows it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class MatchedCall:
+    op: str
+    group_ranks: tuple[int, ...]
+    seq: int
+    phase: str
+    step: int
+    bytes: int
+    events: dict[int, dict]  # rank -> its event
+
+    @property
+    def last_arrival(self) -> float:
+        return max(e["t_start"] for e in self.events.values())
+
+    @property
+    def slow_rank(self) -> int:
+        return max(self.events, key=lambda r: self.events[r]["t_start"])
+
+    def wait(self, rank: int) -> float:
+        return self.last_arrival - self.events[rank]["t_start"]
+
+    @property
+    def transfer_s(self) -> float:
+        return max(0.0, min(e["t_end"] for e in self.events.values()) - self.last_arrival)
+
+
+def match_calls(events: list[dict]) -> list[MatchedCall]:
+    """Calls seen on every rank of their group (point-to-point and partial profiles are left out)."""
+    by_key: dict[tuple, dict[int, dict]] = defaultdict(dict)
+    for e in events:
+        if e["op"] not in ("send", "recv"):
+            by_key[(tuple(e["group_ranks"]), e["op"], e["seq"])][e["rank"]] = e
+    calls = []
+    for (ranks, op, seq), per_rank in by_key.items():
+        if len(per_rank) == len(ranks) > 1:
+            first = per_rank[ranks[0]]
+            calls.append(MatchedCall(op, ranks, seq, first["phase"], first["step"], first["bytes"], per_rank))
+    return sorted(calls, key=lambda c: c.last_arrival)
+
+
+def wait_by_rank(calls: list[MatchedCall]) -> dict[int, float]:
+    """Seconds each rank spent waiting for others, summed over matched calls."""
+    waits: dict[int, float] = defaultdict(float)
+    for call in calls:
+        for rank in call.events:
+            waits[rank] += call.wait(rank)
+    return dict(waits)
+
+
+def straggler_counts(calls: list[MatchedCall], min_wait_s: float = 0.0) -> dict[int, int]:
+    """How often each rank was the last to arrive (with others waiting more than min_wait_s)."""
+    counts: dict[int, int] = defaultdict(int)
+    for call in calls:
+        if max(call.wait(r) for r in call.events) > min_wait_s:
+            counts[call.slow_rank] += 1
+    return dict(counts)

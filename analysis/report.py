@@ -1,0 +1,130 @@
+"""`hpcr1 report RUN_DIR [RUN_DIR ...]`: per stage, where communication time goes (by operation,
+phase and rank), as report/index.html (one self-contained file, figures embedded), report/report.md
+(the same tables) and the PNG figures."""
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+from pathlib import Path
+
+from analysis import figures
+from analysis.breakdown import StageSummary, summarise_stage
+from analysis.events import stage_dirs
+from launch.nccl_transport import detect_in_logs
+from analysis.tables import Table, comparison_table, cross_stage_table, stage_tables
+
+# After loading, the page counts its figures that failed to decode; a headless browser test reads
+# the count back from the DOM (data-broken-figures="0").
+RENDERED_CHECK = ("<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.figure')];"
+                  "document.body.dataset.figures=imgs.length;document.body.dataset.brokenFigures="
+                  "imgs.filter(i=>!i.complete||i.naturalWidth===0).length;});</script>")
+STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}"
+         "td,th{border:1px solid #bbb;padding:2px 6px;font-size:13px;text-align:right}img{max-width:100%}")
+
+
+def find_commbench(run_dirs: list[Path]) -> dict | None:
+    for run in run_dirs:
+        path = run / "commbench.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
+
+
+def stage_figures(s: StageSummary, out_dir: Path, prefix: str, commbench: dict | None) -> list[Path]:
+    stem = out_dir / f"{prefix}{s.name}"
+    made = [figures.phase_split(s, Path(f"{stem}-phases.png")),
+            figures.comm_by_phase_op(s, Path(f"{stem}-comm-by-phase.png")),
+            figures.bandwidth_vs_size(s, Path(f"{stem}-busbw.png"), commbench),
+            figures.size_histogram(s, Path(f"{stem}-sizes.png")),
+            figures.per_rank(s, Path(f"{stem}-ranks.png"))]
+    if s.has_grpo_panels():
+        made.insert(1, figures.grpo_panels(s, Path(f"{stem}-grpo-panels.png")))
+    return made
+
+
+class Document:
+    """Sections appended once, written as Markdown and as HTML side by side."""
+
+    def __init__(self, title: str):
+        self.md = [f"# {title}\n"]
+        self.html = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                     f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.md.append(f"{'#' * level} {text}\n")
+        self.html.append(f"<h{level}>{html.escape(text)}</h{level}>")
+
+    def paragraph(self, text: str) -> None:
+        self.md.append(text + "\n")
+        self.html.append(f"<p>{html.escape(text)}</p>")
+
+    def table(self, table: Table) -> None:
+        self.md.append(table.markdown())
+        self.html.append(table.html())
+
+    def figure(self, path: Path) -> None:
+        self.md.append(f"![{path.stem}]({path.name})\n")
+        data = base64.b64encode(path.read_bytes()).decode()
+        self.html.append(f"<img class='figure' alt='{path.stem}' src='data:image/png;base64,{data}'>")
+
+    def write(self, out_dir: Path) -> None:
+        (out_dir / "report.md").write_text("\n".join(self.md))
+        (out_dir / "index.html").write_text("\n".join(self.html) + RENDERED_CHECK + "</body></html>\n")
+
+
+def transport_note(doc: Document, stage_dir: Path) -> None:
+    found = detect_in_logs(stage_dir / "logs")
+    if found is None:
+        return
+    doc.paragraph(f"NCCL network: {', '.join(sorted(found.networks)) or 'unknown'}; inter-node channels: "
+                  f"{', '.join(sorted(found.inter_node)) or 'none'}; intra-node: {', '.join(sorted(found.intra_node)) or 'none'}"
+                  f"; nodes: {found.nodes}.")
+    if found.warning:
+        doc.paragraph("WARNING: " + found.warning)
+
+
+def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = None) -> Path:
+    """Write index.html, report.md and the PNGs into out_dir; returns the HTML's path."""
+    run_dirs = [Path(r) for r in run_dirs]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    commbench = commbench or find_commbench(run_dirs)
+    dirs = {run.name: stage_dirs(run) for run in run_dirs}
+    runs = {name: [summarise_stage(d) for d in stages] for name, stages in dirs.items()}
+    doc = Document("Communication report: " + ", ".join(runs))
+    doc.paragraph("Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
+                  "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
+                  "(see analysis/overlap.py).")
+    for run, stages in runs.items():
+        prefix = f"{run}-" if len(runs) > 1 else ""
+        doc.heading(f"Run {run}")
+        if stages:
+            doc.table(cross_stage_table(stages))
+        for s, stage_dir in zip(stages, dirs[run]):
+            doc.heading(s.name, 3)
+            transport_note(doc, stage_dir)
+            for table in stage_tables(s):
+                doc.table(table)
+            for path in stage_figures(s, out_dir, prefix, commbench):
+                doc.figure(path)
+    if len(runs) > 1:
+        doc.heading("Comparison")
+        doc.table(comparison_table(runs))
+        doc.figure(figures.across_runs(runs, out_dir / "comparison.png"))
+    doc.write(out_dir)
+    return out_dir / "index.html"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, help="default: <first run>/report")
+    parser.add_argument("--commbench", type=Path, help="a commbench JSON to draw as achievable bandwidth")
+    args = parser.parse_args(argv)
+    missing = [str(r) for r in args.run_dirs if not r.is_dir()]
+    if missing:
+        parser.error(f"not a run directory: {', '.join(missing)}")
+    bench = json.loads(args.commbench.read_text()) if args.commbench else None
+    print(write_report(args.run_dirs, args.out or args.run_dirs[0] / "report", bench))
+    return 0

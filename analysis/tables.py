@@ -1,0 +1,82 @@
+"""The report's tables, built once and rendered both as Markdown and as HTML, so the two reports
+hold the same numbers."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from analysis.breakdown import StageSummary
+
+
+@dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+
+    def markdown(self) -> str:
+        lines = [f"#### {self.title}", "", "| " + " | ".join(self.header) + " |",
+                 "|" + "|".join("---" for _ in self.header) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+    def html(self) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows)
+        return f"<h4>{html.escape(self.title)}</h4>\n<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>\n"
+
+
+def size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return ""
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def stage_tables(s: StageSummary) -> list[Table]:
+    phase_ops = s.by_phase_op()
+    ops = sorted({op for per in phase_ops.values() for op in per})
+    return [
+        Table("Time by phase (rank 0): compute and exposed communication",
+              ["phase", "wall ms", "exposed comm ms", "compute ms"],
+              [[p, ms(w), ms(c), ms(k)] for p, w, c, k in s.phase_split()]),
+        Table("Communication by operation (per rank)",
+              ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
+              [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()]),
+        Table("Communication time by phase and operation (ms per rank)", ["phase", *ops],
+              [[p, *(ms(phase_ops[p].get(op, 0.0)) for op in ops)] for p in sorted(phase_ops)]),
+        Table("Per rank: communication, waiting for stragglers, overlap",
+              ["rank", "comm ms", "wait ms", "times slowest", "overlap"],
+              [[str(r), ms(c), ms(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()]),
+        Table("Costliest calls", ["op", "phase", "step", "bytes", "ranks", "ms over ranks", "transfer ms",
+                                  "slowest rank", "others waited ms"],
+              [[op, ph, str(st), size(b), str(n), ms(t), ms(tr), str(slow), ms(w)]
+               for op, ph, st, b, n, t, tr, slow, w in s.top_calls()]),
+    ]
+
+
+def cross_stage_table(stages: list[StageSummary]) -> Table:
+    rows = []
+    for s in stages:
+        top = s.by_op()[0][0] if s.events else "-"
+        rows.append([s.name, str(len(s.ranks)), str(s.steps), ms(s.comm_seconds() / s.steps),
+                     size(s.total_bytes() / s.steps), top, f"{s.imbalance():.2f}"])
+    return Table("Across stages", ["stage", "ranks", "steps", "comm ms / step", "bytes / step", "costliest op",
+                                   "imbalance (max/mean)"], rows)
+
+
+def comparison_table(runs: dict[str, list[StageSummary]]) -> Table:
+    rows = []
+    for run, stages in runs.items():
+        for s in stages:
+            rows.append([run, s.name, str(len(s.ranks)), ms(s.comm_seconds() / s.steps),
+                         size(s.total_bytes() / s.steps),
+                         *(f"{s.median_busbw(op) / 1e9:.3f}" for op in ("all_reduce", "all_gather", "reduce_scatter"))])
+    return Table("Comparison across runs", ["run", "stage", "ranks", "comm ms / step", "bytes / step",
+                                            "all_reduce busbw GB/s", "all_gather busbw GB/s",
+                                            "reduce_scatter busbw GB/s"], rows)

@@ -1,0 +1,152 @@
+"""The report: one self-contained HTML that renders in headless Chromium with every figure, a
+Markdown file with the same tables, GRPO's three phases side by side, a straggler named."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from analysis.report import write_report
+
+RANKS = (0, 1)
+
+
+def event(rank, step, phase, op, nbytes, seq, t0, dur, async_op=False):
+    return {"stage": "", "step": step, "phase": phase, "rank": rank, "op": op, "bytes": nbytes, "dtype": "float32",
+            "group_size": 2, "group_ranks": [0, 1], "peer": None, "seq": seq, "t_start": t0, "t_end": t0 + dur,
+            "backend": "gloo", "source": "torch.distributed", "async_op": async_op}
+
+
+def write_stage(run: Path, stage: str, phases: list[str], late_rank: int = 1, late_s: float = 0.02) -> None:
+    """Two ranks, 3 steps, one all-reduce and one all-gather per phase; `late_rank` always arrives late."""
+    profile = run / stage / "profile"
+    profile.mkdir(parents=True)
+    t = 1000.0
+    rows = {r: [] for r in RANKS}
+    seq = {"all_reduce": 0, "all_gather": 0}
+    for step in (1, 2, 3):
+        for phase in phases:
+            for op, nbytes in (("all_reduce", 1 << 20), ("all_gather", 1 << 16)):
+                for r in RANKS:
+                    start = t + (late_s if r == late_rank else 0.0)
+                    rows[r].append(event(r, step, phase, op, nbytes, seq[op], start, t + late_s + 0.005 - start))
+                seq[op] += 1
+                t += 0.1
+    for r in RANKS:
+        (profile / f"rank-{r:05d}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in rows[r]))
+    metrics = [{"step": s, **{f"phase_time/{p}": 0.2 for p in phases}} for s in (1, 2, 3)]
+    (run / stage / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    for name, late in (("ranks2", 1), ("ranks2-again", 0)):
+        write_stage(root / name, "stage1_sft", ["forward", "backward", "optimizer"], late_rank=late)
+        write_stage(root / name, "stage2_grpo", ["rollout", "policy_logprob", "reference_logprob", "policy_update"],
+                    late_rank=late)
+    (root / "ranks2" / "commbench.json").write_text(json.dumps({"backend": "gloo", "world_size": 2, "results": {
+        "all_reduce": [{"bytes": b, "latency_us": 1.0, "algbw_GBps": 1.0, "busbw_GBps": 1.0} for b in (1024, 1 << 20)]}}))
+    out = root / "report"
+    write_report([root / "ranks2", root / "ranks2-again"], out)
+    return out
+
+
+class TableReader(HTMLParser):
+    """Cells of every <table>, and every <img>'s alt."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.images, self._cell = [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+        elif tag == "img":
+            self.images.append(dict(attrs)["alt"])
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][-1].append(self._cell)
+            self._cell = None
+
+
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    tables, current = [], None
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                tables.append(current)
+            if not line.startswith("|---"):
+                current.append([c.strip() for c in line.strip("|").split("|")])
+        else:
+            current = None
+    return tables
+
+
+def test_markdown_holds_the_same_tables_and_figures_as_the_html(report):
+    reader = TableReader()
+    reader.feed((report / "index.html").read_text())
+    md = (report / "report.md").read_text()
+    assert reader.tables == markdown_tables(md) and len(reader.tables) > 10
+    pngs = sorted(p.stem for p in report.glob("*.png"))
+    assert sorted(reader.images) == pngs and all(f"![{p}]({p}.png)" in md for p in pngs)
+
+
+def test_html_is_self_contained(report):
+    page = (report / "index.html").read_text()
+    assert "src='data:image/png;base64," in page and "http" not in page.replace("http-equiv", "")
+
+
+def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
+    pngs = {p.name for p in report.glob("*.png")}
+    assert {"ranks2-stage2_grpo-grpo-panels.png", "ranks2-again-stage2_grpo-grpo-panels.png"} <= pngs
+    assert not any("stage1_sft-grpo-panels" in p for p in pngs)
+
+
+def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
+    md = (report / "report.md").read_text()
+    section = md.split("## Run ranks2\n")[1].split("### stage2_grpo")[0]
+    per_rank = next(t for t in markdown_tables(section) if t[0][0] == "rank")
+    rows = {row[0]: row for row in per_rank[1:]}  # rank, comm ms, wait ms, times slowest, overlap
+    assert rows["1"][3] == str(3 * 3 * 2) and rows["0"][3] == "0"
+    assert float(rows["0"][2]) == pytest.approx(18 * 20.0, rel=1e-3) and float(rows["1"][2]) == 0.0
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
+def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_error(report, tmp_path):
+    shot = tmp_path / "shot.png"
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+            f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1200,2000"]
+    url = (report / "index.html").as_uri()
+    shot_run = subprocess.run([*base, "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", url],
+                              capture_output=True, text=True, timeout=120)
+    dom = subprocess.run([*base, "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120).stdout
+    console = [l for l in shot_run.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
+    assert console == []
+    figures = len(list(report.glob("*.png")))
+    assert f'data-figures="{figures}"' in dom and 'data-broken-figures="0"' in dom
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    low, high = image.getextrema()
+    assert image.size[0] > 0 and high - low > 100, "screenshot is blank"
