@@ -83,8 +83,8 @@ class MegatronDeepSpeedEngine:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        model = build_megatron_llama(self.hf_config, pre_process=True, post_process=True, params_dtype=DTYPES[stage.dtype])
-        load_hf_into_megatron(model, hf_dir)
+        model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
+        load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": stage.weight_decay},
                                        {"params": no_decay, "weight_decay": 0.0}], lr=stage.lr)
