@@ -11,7 +11,13 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may follow options (`run CFG --run-dir D a.b=1`): leftovers are overrides where taken.
+    args, leftover = parser.parse_known_args(argv)
+    if leftover and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    if leftover:
+        args.overrides = [*args.overrides, *leftover]
     from pipeline.config import ConfigError
     from stages.data.examples import DataError
 

@@ -62,7 +62,7 @@ def test_batch_order_covers_every_sample_once_per_epoch_and_is_reproducible():
 def test_micro_batches_shift_labels_and_mask_padding():
     samples = [Sample([1, 2, 3, 4], [0, 0, 1, 1]), Sample([5, 6], [0, 1])]
     (mb,) = micro_batches(samples, pad_id=0, micro_batch_size=2)
-    assert mb.input_ids.tolist() == [[1, 2, 3], [5, 0, 0]]
+    assert mb.input_ids.tolist() == [[1, 2, 3], [5, 6, 0]]
     assert mb.labels.tolist() == [[2, 3, 4], [6, 0, 0]]
     assert mb.loss_mask.tolist() == [[0, 1, 1], [1, 0, 0]]
     assert count_loss_tokens(samples) == mb.loss_mask.sum().item() == 3
