@@ -20,7 +20,10 @@ PATCHED_MODULES = (
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.tensor_parallel.random",
     "megatron.core.utils",  # GlobalMemoryBuffer allocates on torch.cuda.current_device()
+    "megatron.core.pipeline_parallel.schedules",  # token counters made with device="cuda"
+    "megatron.core.pipeline_parallel.p2p_communication",  # shape exchange on current_device()
 )
+FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
 
 
 def _cpu_cuda_namespace() -> types.SimpleNamespace:
@@ -35,12 +38,25 @@ def _cpu_cuda_namespace() -> types.SimpleNamespace:
     return cuda
 
 
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        if "device" in kwargs and torch.device(kwargs["device"]).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
 class _TorchWithCpuCuda(types.ModuleType):
-    """`torch`, except that `.cuda` is the CPU stand-in above."""
+    """`torch`, except that `.cuda` is the CPU stand-in above and tensor factories asked for a
+    cuda device make CPU tensors."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = _cpu_cuda_namespace()
+        for name in FACTORIES:
+            setattr(self, name, _on_cpu(getattr(torch, name)))
 
     def __getattr__(self, name):
         return getattr(torch, name)
