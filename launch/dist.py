@@ -44,6 +44,8 @@ def init_distributed(backend: str | None = None) -> RankInfo:
         return info
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+    # DeepSpeed and megatron read the torchrun variables; under srun or mpirun only ours know them.
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank)
     dist.init_process_group(backend or default_backend(), rank=info.rank, world_size=info.world_size)

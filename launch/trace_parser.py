@@ -12,7 +12,6 @@ Phases come from the enclosing `phase:<name>` ranges (launch/phases.py), steps f
 from __future__ import annotations
 
 import json
-import re
 from bisect import bisect_right
 from pathlib import Path
 

@@ -2,6 +2,8 @@
 srun or mpirun. Discovers its rank, joins the process group, runs the stage, leaves cleanly."""
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -26,6 +28,7 @@ def redirect_output(log_dir: Path, rank: int):
 
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
+    from launch.comm_profiler import CommProfiler
     from launch.dist import discover_ranks, init_distributed, shutdown_distributed
     from launch.preemption import install_handlers
     from pipeline.config import RunConfig
@@ -37,9 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     info = init_distributed()
     install_handlers()
-    ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal)
+    profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank) if cfg.profile.comm else None
+    ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal, profiler=profiler)
     try:
-        stage_runner(ctx)(ctx)
+        with profiler or contextlib.nullcontext():
+            stage_runner(ctx)(ctx)
     except Exception:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
         raise
@@ -48,11 +53,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def stage_runner(ctx):
-    from pipeline.config import SFTStage
-    from stages import sft
+    from pipeline.config import GRPOStage, SFTStage, SynthStage
 
-    runners = {SFTStage: sft.run}
-    return runners[type(ctx.stage)]
+    # Imported by name so that a stage loads only its own engine (megatron + DeepSpeed, or verl).
+    modules = {SFTStage: "stages.sft", GRPOStage: "stages.grpo.trainer", SynthStage: "stages.synth"}
+    return importlib.import_module(modules[type(ctx.stage)]).run
 
 
 if __name__ == "__main__":

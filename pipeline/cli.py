@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
 
+    rp = sub.add_parser("report", help="communication and phase breakdown of run directories", add_help=False)
+    rp.add_argument("rest", nargs=argparse.REMAINDER)
+    rp.set_defaults(func=lambda args: _delegate("analysis.report", args.rest))
+
+    cb = sub.add_parser("commbench", help="collective bandwidth sweep (torch.distributed or MPI)", add_help=False)
+    cb.add_argument("rest", nargs=argparse.REMAINDER)
+    cb.set_defaults(func=lambda args: _delegate("analysis.commbench", args.rest))
+
     ev = sub.add_parser("eval", help="held-out accuracy of a Hugging Face model directory")
     ev.add_argument("model_dir")
     ev.add_argument("--data", required=True, help="JSONL or Parquet file with prompts and answers")
@@ -82,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     ev.set_defaults(func=cmd_eval)
     return p
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    """Commands whose own parser lives with their module."""
+    import importlib
+
+    return importlib.import_module(module).main(argv)
 
 
 def cmd_run(args) -> int:

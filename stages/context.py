@@ -8,6 +8,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from launch.comm_profiler import CommProfiler
 from launch.dist import RankInfo
 from pipeline.config import RunConfig
 from pipeline.rundir import RunDir
@@ -20,6 +21,12 @@ class StageContext:
     stage_id: str
     rank: RankInfo
     terminal: TextIO = field(default_factory=lambda: sys.stderr)
+    profiler: CommProfiler | None = None
+
+    def begin_step(self, step: int) -> None:
+        """Tag what follows (communication events) with the step about to run."""
+        if self.profiler is not None:
+            self.profiler.set_step(step)
 
     @property
     def stage(self):

@@ -2,21 +2,17 @@
 megatron-core + DeepSpeed engine, resumable from its newest valid step checkpoint."""
 from __future__ import annotations
 
-import json
-import shutil
 import time
 
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from launch.preemption import PREEMPTED_EXIT, stop_requested
-from pipeline.atomic import atomic_write_text
+from launch.phases import take_phase_times
 from stages.checkpoint import CheckpointDir, agreed_resume_step
 from stages.context import StageContext
 from stages.data.examples import read_examples
 from stages.data.sft_batches import GlobalBatchOrder, count_loss_tokens, micro_batches, tokenize_examples
 from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
-from stages.eval import evaluate_model_dir
+from stages.handoff import checkpoint_boundary, finish
 from stages.metrics import MetricsLogger
 
 
@@ -44,6 +40,7 @@ def run(ctx: StageContext) -> None:
                             f"{run.root.name}/{ctx.stage_id}", ctx.cfg.model_dump(mode="json"))
     bar = ctx.progress(stage.steps, initial=step)
     while step < stage.steps:
+        ctx.begin_step(step + 1)
         started = time.perf_counter()
         batch = [samples[i] for i in order.indices(step)]
         local = batch[engine.dp_rank::engine.dp_size]
@@ -52,41 +49,13 @@ def run(ctx: StageContext) -> None:
         step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.input_ids) - 1 for s in batch)
-        metrics.log(step, {**stats, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed})
+        phases = {f"phase_time/{name}": t for name, t in take_phase_times().items()}
+        metrics.log(step, {**stats, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, **phases})
+        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
         bar.update()
-        bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}")
-        if step % stage.checkpoint_every == 0 or step == stage.steps:
-            save_checkpoint(engine, ckpts, step)
-        elif stop_requested():
-            save_checkpoint(engine, ckpts, step)
-            ctx.log.info("stopping at step %d on request; the next attempt resumes here", step)
-            raise SystemExit(PREEMPTED_EXIT)
+        checkpoint_boundary(ctx, engine, ckpts, step)
     bar.close()
     metrics.close()
+    ctx.log.info("training done at step %d", step)
     finish(ctx, engine, init_dir)
 
-
-def save_checkpoint(engine: MegatronDeepSpeedEngine, ckpts: CheckpointDir, step: int) -> None:
-    engine.save(ckpts.staging(step), {"step": step})
-    if dist.get_rank() == 0:
-        ckpts.seal(step)
-    dist.barrier()
-
-
-def finish(ctx: StageContext, engine: MegatronDeepSpeedEngine, init_dir) -> None:
-    """Export final/ (written aside and renamed, so a half-written final/ never exists) and score it."""
-    final = ctx.run.final(ctx.stage_id)
-    staging = final.with_name("final.tmp")
-    engine.export_hf(staging, tokenizer_dir=init_dir)
-    if ctx.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    dist.barrier()
-    engine.close()
-    cfg = ctx.cfg
-    examples = read_examples(ctx.run.task_file("eval"))[: cfg.eval.num_examples]
-    result = evaluate_model_dir(final, examples, cfg.eval.max_new_tokens, cfg.eval.batch_size)
-    if ctx.is_main:
-        atomic_write_text(ctx.run.eval_result(ctx.stage_id), json.dumps(result))
-        ctx.log.info("held-out accuracy %.3f on %d examples", result["accuracy"], result["n"])

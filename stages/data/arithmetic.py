@@ -2,48 +2,32 @@
 
     0030+8494+5673=  ->  <think>0+4+3+0=7 3+9+7+0=19 0+4+6+1=11 0+8+5+1=14</think><answer>14197</answer>
 
-Each column lists its digits, the carry coming in, and the column sum. Generated from a seed:
-the same (seed, split, n) always gives the same list, a smaller n gives a prefix, and the splits
-never share a problem (each problem belongs to exactly one split by a hash of its operands).
+Each column, from the least significant, lists its digits, the carry coming in, and the column sum.
+Generated from a seed: the same (seed, split, n) always gives the same list and a smaller n gives a
+prefix of it. The splits never share a problem: a hash of the operands assigns every problem to
+exactly one split, and each split's generator keeps only its own problems.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 
 from stages.data.examples import Example
 
-SPLIT_SHARES = {"train": 0.8, "prompts": 0.1, "eval": 0.1}
-
-
-def split_of(operands: tuple[int, ...]) -> str:
-    digest = int.from_bytes(hashlib.sha256(repr(operands).encode()).digest()[:8], "big") / 2**64
-    edge = 0.0
-    for split, share in SPLIT_SHARES.items():
-        edge += share
-        if digest < edge:
-            return split
-    return split
-
-
-def chain_of_thought(operands: tuple[int, ...], digits: int) -> tuple[str, str]:
-    """(the <think> body, the answer) for the column-by-column sum."""
-    padded = [f"{x:0{digits}d}" for x in operands]
-    steps, carry = [], 0
-    for col in range(digits - 1, -1, -1):
-        column = [int(p[col]) for p in padded]
-        total = sum(column) + carry
-        steps.append("+".join(str(d) for d in column) + f"+{carry}={total}")
-        carry = total // 10
-    return " ".join(steps), str(sum(operands))
+SPLIT_PERCENT = {"train": 80, "prompts": 10, "eval": 10}
+EXACT_COUNT_LIMIT = 10_000  # problem spaces up to this size have their split sizes counted exactly
 
 
 def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, digits: int = 4) -> list[Example]:
-    if split not in SPLIT_SHARES:
-        raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_SHARES)}")
-    if n > 0.5 * SPLIT_SHARES[split] * 10 ** (digits * num_operands):
-        raise ValueError(f"{n} distinct {split} problems of {num_operands} {digits}-digit numbers do not exist")
-    rng = random.Random(f"{seed}-{split}")
+    if split not in SPLIT_PERCENT:
+        raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_PERCENT)}")
+    if num_operands < 1 or digits < 1 or n < 0:
+        raise ValueError(f"need num_operands >= 1, digits >= 1, n >= 0 (got {num_operands}, {digits}, {n})")
+    if n > max_problems(split, num_operands, digits):
+        raise ValueError(f"the {split} split does not have {n} distinct problems of {num_operands} "
+                         f"{digits}-digit numbers")
+    rng = random.Random(f"{seed}-{split}")  # a string seed is hashed with SHA-512: stable across runs
     examples, seen = [], set()
     while len(examples) < n:
         operands = tuple(rng.randrange(10 ** digits) for _ in range(num_operands))
@@ -55,3 +39,34 @@ def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, di
         examples.append(Example(f"arith-{split}-{len(examples):06d}", prompt, answer,
                                 f"<think>{thought}</think><answer>{answer}</answer>"))
     return examples
+
+
+def chain_of_thought(operands: tuple[int, ...], digits: int) -> tuple[str, str]:
+    """(the <think> body, the answer) of the column-by-column sum."""
+    padded = [f"{x:0{digits}d}" for x in operands]
+    steps, carry = [], 0
+    for col in range(digits - 1, -1, -1):
+        column = [p[col] for p in padded]
+        total = sum(map(int, column)) + carry
+        steps.append("+".join(column) + f"+{carry}={total}")
+        carry = total // 10
+    return " ".join(steps), str(sum(operands))
+
+
+def split_of(operands: tuple[int, ...]) -> str:
+    """The one split a problem belongs to, from a hash of its operands (the same on every machine)."""
+    percentile = int.from_bytes(hashlib.sha256(repr(operands).encode()).digest()[:8], "big") * 100 >> 64
+    edge = 0
+    for split, percent in SPLIT_PERCENT.items():  # the percents sum to 100 > percentile
+        edge += percent
+        if percentile < edge:
+            return split
+
+
+def max_problems(split: str, num_operands: int, digits: int) -> int:
+    """How many problems `split` can give: all of them where the space is small enough to count,
+    else half its expected share (rejection sampling would crawl when close to exhausting it)."""
+    space = 10 ** (digits * num_operands)
+    if space <= EXACT_COUNT_LIMIT:
+        return sum(split_of(ops) == split for ops in itertools.product(range(10 ** digits), repeat=num_operands))
+    return space * SPLIT_PERCENT[split] // 200

@@ -1,11 +1,25 @@
-"""Lets megatron-core 0.16 run on a CPU-only machine (gloo), for tests and the embedded default.
+"""Lets megatron-core 0.16.1 run on a CPU-only machine (gloo), for tests and the embedded default.
 
-megatron-core's CPU failures are all hard-coded CUDA calls, not CUDA work (notes/cpu-facts.md):
-`torch.cuda.current_device()` when placing rotary tables, and the CUDA RNG API in its RNG tracker
-(whose deferred `_lazy_call` never fires without CUDA, so stream switching would silently do
-nothing). Instead of a global TorchFunctionMode (a cost on every op), the modules that make these
-calls get a `torch` whose `torch.cuda` answers with the CPU device and the CPU generator; nothing
-outside those modules changes. Applied only when CUDA is absent; idempotent.
+Every failure of megatron-core on CPU is a hard-coded CUDA call, not CUDA work
+(notes/cpu-facts.md): `torch.cuda.current_device()` when placing rotary tables and p2p shape
+messages, `device="cuda"` in the default causal mask and the pipeline schedules' token counters,
+and the CUDA RNG API in the RNG tracker (whose deferred `_lazy_call` never fires without CUDA, so
+stream switching would silently do nothing).
+
+Instead of a global TorchFunctionMode (which pays on every op of every module), the few modules
+that make these calls see a `torch` whose `torch.cuda` answers with the CPU device and the CPU
+generator, and whose tensor factories turn a cuda device into the CPU; nothing outside those
+modules changes. Measured on the tiny Llama: ~70 proxied lookups (~2 us each) per
+forward+backward, about 0.1% of the step; a device-rewriting TorchFunctionMode cost ~5%.
+
+On CPU the "CUDA" generator the tracker forks IS the default CPU generator, so
+`model_parallel_cuda_manual_seed` reseeds it and per-TP-rank streams really switch (with dropout,
+the tracker's "CPU RNG state changed within GPU RNG context" warning is then expected).
+
+Covered: GPTModel (local spec) forward and backward, the pipeline schedules (no pipelining and
+1F1B) and the RNG tracker. Not covered, because DeepSpeed replaces them in our SFT engine:
+megatron's optimizer, grad clipping, DDP buffers and `tensor_parallel.broadcast_data`.
+Applied only when CUDA is absent; idempotent.
 """
 from __future__ import annotations
 
@@ -15,13 +29,14 @@ import types
 
 import torch
 
-# The megatron-core modules that call torch.cuda.* on paths we use.
+# The megatron-core modules that call torch.cuda.* or build device="cuda" tensors on our paths.
 PATCHED_MODULES = (
-    "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.tensor_parallel.random",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq on current_device()
+    "megatron.core.transformer.utils",  # get_default_causal_mask: torch.ones(..., device="cuda")
     "megatron.core.utils",  # GlobalMemoryBuffer allocates on torch.cuda.current_device()
     "megatron.core.pipeline_parallel.schedules",  # token counters made with device="cuda"
     "megatron.core.pipeline_parallel.p2p_communication",  # shape exchange on current_device()
+    "megatron.core.tensor_parallel.random",  # the RNG tracker's torch.cuda.get/set_rng_state
 )
 FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
 
@@ -50,7 +65,7 @@ def _on_cpu(factory):
 
 class _TorchWithCpuCuda(types.ModuleType):
     """`torch`, except that `.cuda` is the CPU stand-in above and tensor factories asked for a
-    cuda device make CPU tensors."""
+    cuda device make CPU tensors. Other names resolve to torch's at lookup time."""
 
     def __init__(self):
         super().__init__("torch")
@@ -62,28 +77,14 @@ class _TorchWithCpuCuda(types.ModuleType):
         return getattr(torch, name)
 
 
-@functools.lru_cache
-def _causal_mask_on_cpu(sq: int) -> torch.Tensor:
-    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
-
-
-# Functions that build tensors with a literal device="cuda", by every module that imported them.
-REPLACED_FUNCTIONS = {
-    ("megatron.core.transformer.utils", "get_default_causal_mask"): _causal_mask_on_cpu,
-    ("megatron.core.fusions.fused_softmax", "get_default_causal_mask"): _causal_mask_on_cpu,
-}
-
-
 def apply_cpu_shim() -> None:
     if torch.cuda.is_available():
         return
     proxy = _TorchWithCpuCuda()
     for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
-        module.torch = proxy
-    for (module_name, function), replacement in REPLACED_FUNCTIONS.items():
-        setattr(importlib.import_module(module_name), function, replacement)
+        importlib.import_module(name).torch = proxy
     random = importlib.import_module("megatron.core.tensor_parallel.random")
-    # The tracker saves and restores the "cuda" generator through these two helpers.
+    # fork() saves and restores the "cuda" generator through these two helpers; the setter would
+    # defer to torch.cuda._lazy_call, which never runs without CUDA.
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoConfig
 
+from launch.phases import phase
 from pipeline.config import SFTStage
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
@@ -98,13 +99,17 @@ class MegatronDeepSpeedEngine:
         """Forward/backward every micro-batch of this rank, then one optimizer step."""
         loss_sum = torch.zeros(())
         for mb in micro_batches:
-            token_losses = self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                                       labels=mb.labels)
-            local = (token_losses.float() * mb.loss_mask).sum()
-            self.engine.backward(local * (self.dp_size / global_loss_tokens), scale_wrt_gas=False)
-            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            with phase("forward"):
+                token_losses = self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                                           attention_mask=None, labels=mb.labels)
+                local = (token_losses.float() * mb.loss_mask).sum()
+            with phase("backward"):  # includes DeepSpeed's gradient reduction at the boundary
+                self.engine.backward(local * (self.dp_size / global_loss_tokens), scale_wrt_gas=False)
+            with phase("optimizer"):
+                self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             loss_sum += local.detach()
-        dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+        with phase("metrics"):
+            dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
         return {"loss": loss_sum.item() / global_loss_tokens, "grad_norm": _as_float(self.engine.get_global_grad_norm()),
                 "lr": self.engine.get_lr()[0]}
 

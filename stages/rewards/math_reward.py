@@ -1,68 +1,142 @@
-"""The verifiable reward: format (exactly <think>…</think> then <answer>…</answer>) and correctness
-of the answer. Numbers are compared exactly (big integers and decimals, no floats); anything else
-goes to `math_verify` (LaTeX, fractions, expressions) — never `eval`. Time is bounded: oversized
-answers are not parsed, and math_verify's own timeouts (signal-based, so main thread only) are
-replaced elsewhere by that size bound. `score` never raises."""
+"""The verifiable reward of the R1 format: is the response exactly <think>…</think><answer>…</answer>,
+and is its answer right.
+
+Answers are compared cheaply first: the same text, or the same number (big integers and decimals
+exactly, never through float). Anything else (LaTeX, fractions, expressions) goes to `math_verify`,
+never to `eval`. math_verify's time is unbounded (sympy on 9^{9^{9}} never returns, and its own
+SIGALRM timeouts work only on the main thread and cannot interrupt C code), so it runs in a child
+process that is killed when a comparison takes too long: the bound holds on any thread.
+`score` never raises.
+"""
 from __future__ import annotations
 
+import atexit
+import json
+import logging
 import re
+import select
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+from pathlib import Path
 
-FORMAT = re.compile(r"\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?think>|</?answer>).)*</answer>\s*",
-                    re.S)
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
-NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
-MAX_ANSWER_CHARS = 256      # longer "answers" are never parsed symbolically
-MAX_NUMBER_DIGITS = 10_000  # exact comparison of longer digit strings is still cheap, but pointless
+R1_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+# Checked after every tag is known to occur exactly once, so the two `.*` cannot backtrack badly.
+R1_LAYOUT = re.compile(r"<think>.*</think>\s*<answer>.*</answer>", re.S)
+PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)")
+THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
+MAX_NUMBER_CHARS = 10_000   # exact comparison of numbers this long still takes microseconds
+MAX_SYMBOLIC_CHARS = 512    # longer answers are compared as text only, never parsed
+SYMBOLIC_TIMEOUT_S = 0.5    # per math_verify comparison; a slower one scores incorrect
+WORKER_START_TIMEOUT_S = 60.0  # importing sympy on a busy node
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Score:
-    format_ok: bool
-    correct: bool
-    reward: float
-
-
-def extract_answer(response: str) -> str | None:
-    found = ANSWER.findall(response)
-    return found[-1].strip() if found else None
+    format_ok: bool  # exactly <think>...</think> then <answer>...</answer>, with only whitespace around
+    correct: bool    # the extracted answer equals the ground truth
+    reward: float    # correct_weight * correct + format_weight * format_ok
 
 
 def score(response: str, answer: str, correct_weight: float = 1.0, format_weight: float = 0.1) -> Score:
-    format_ok = FORMAT.fullmatch(response) is not None
+    format_ok = is_well_formed(response)
     predicted = extract_answer(response)
     correct = predicted is not None and answers_match(predicted, str(answer))
     return Score(format_ok, correct, correct_weight * correct + format_weight * format_ok)
 
 
+def is_well_formed(response: str) -> bool:
+    text = response.strip()
+    return all(text.count(tag) == 1 for tag in R1_TAGS) and R1_LAYOUT.fullmatch(text) is not None
+
+
+def extract_answer(response: str) -> str | None:
+    """The text of the last <answer>...</answer>, stripped. Found with rfind, not a regex: a lazy
+    regex rescans the rest of the text from every unclosed <answer> (quadratic on hostile text)."""
+    end = response.rfind("</answer>")
+    start = response.rfind("<answer>", 0, end)
+    if end < 0 or start < 0:
+        return None
+    return response[start + len("<answer>"):end].strip()
+
+
 def answers_match(predicted: str, truth: str) -> bool:
+    predicted, truth = predicted.strip(), truth.strip()
+    if predicted == truth:
+        return truth != ""
     a, b = _as_number(predicted), _as_number(truth)
     if a is not None and b is not None:
         return a == b
-    if len(predicted) > MAX_ANSWER_CHARS or len(truth) > MAX_ANSWER_CHARS:
-        return predicted.strip() == truth.strip()
-    return _math_verify(predicted, truth)
+    if len(predicted) > MAX_SYMBOLIC_CHARS or len(truth) > MAX_SYMBOLIC_CHARS:
+        return False
+    return _SYMBOLIC.match(predicted, truth)
 
 
 def _as_number(text: str) -> Decimal | None:
-    text = text.strip().replace(",", "")
-    if len(text) > MAX_NUMBER_DIGITS or not NUMBER.fullmatch(text):
+    # Decimal, not int: exact, and free of int()'s 4300-digit limit on string conversion.
+    if len(text) > MAX_NUMBER_CHARS:
         return None
-    try:
-        return Decimal(text)
-    except InvalidOperation:
-        return None
+    if THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    return Decimal(text) if PLAIN_NUMBER.fullmatch(text) else None
 
 
-def _math_verify(predicted: str, truth: str) -> bool:
-    from math_verify import parse, verify
+class _SymbolicWorker:
+    """math_verify in a child process (symbolic_worker.py), restarted after a timeout or a crash.
+    One comparison at a time: callers on several threads take turns."""
 
-    # Signal-based timeouts only work on the main thread; elsewhere the size bound above holds.
-    timeout = 2 if threading.current_thread() is threading.main_thread() else None
-    try:
-        gold, guess = parse(f"${truth}$", parsing_timeout=timeout), parse(f"${predicted}$", parsing_timeout=timeout)
-        return bool(gold) and bool(guess) and verify(gold, guess, timeout_seconds=timeout)
-    except Exception:  # a malformed expression is a wrong answer, not a crash
-        return False
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.unavailable = False
+
+    def match(self, predicted: str, truth: str) -> bool:
+        with self.lock:
+            if self.unavailable:
+                return False
+            if self.proc is None and not self._start():
+                return False
+            reply = self._ask(json.dumps([truth, predicted]) + "\n", SYMBOLIC_TIMEOUT_S)
+            if reply is None:
+                self.stop()
+            return reply == "1"
+
+    def _start(self) -> bool:
+        script = Path(__file__).with_name("symbolic_worker.py")
+        try:
+            self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+            ready = self._ask("", WORKER_START_TIMEOUT_S) == "ready"
+        except OSError:
+            ready = False
+        if not ready:
+            # Without the worker every later call would wait for another failed start.
+            log.warning("math_verify worker did not start: non-numeric answers will score incorrect")
+            self.stop()
+            self.unavailable = True
+        return ready
+
+    def _ask(self, request: str, timeout_s: float) -> str | None:
+        """Send a request and read one line back, or None if the worker died or is too slow."""
+        try:
+            self.proc.stdin.write(request)
+            self.proc.stdin.flush()
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+            line = self.proc.stdout.readline() if ready else ""
+        except (OSError, ValueError):  # a dead worker's pipes
+            return None
+        return line.strip() if line.endswith("\n") else None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.communicate()  # reaps it and closes the pipes
+            self.proc = None
+
+
+_SYMBOLIC = _SymbolicWorker()
+atexit.register(_SYMBOLIC.stop)

@@ -1,20 +1,48 @@
-"""megatron-core at TP=2 and PP=2 on 2 real ranks computes Hugging Face's logits, and gathering its
-shards gives back the HF weights bit for bit."""
+"""megatron-core at TP=2 and at PP=2 on 2 real ranks computes Hugging Face's logits, loss and
+gradients on the same weights; gathering its shards gives back the HF weights bit for bit; and on
+CPU the RNG tracker's streams really switch. One torchrun launch checks both layouts (start-up,
+mostly imports, is most of the time)."""
 from __future__ import annotations
 
-import re
+import json
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 
 pytestmark = pytest.mark.dist
 WORKER = REPO / "tests" / "dist" / "workers" / "megatron_logits.py"
+LAYOUTS = ["tp2pp1", "tp1pp2"]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_megatron_logits_match_hf_and_gather_is_exact(torchrun, tp, pp, tmp_path):
-    out = torchrun(WORKER, 2, str(tp), str(pp), str(tmp_path)).stdout
-    diffs = [float(x) for x in re.findall(r"LOGITS_MAX_DIFF (\S+)", out)]
-    assert diffs and max(diffs) < 1e-4, out
-    assert "GATHER_EXACT True" in out, out
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    """{(layout, check): [value reported by each rank that holds it]}."""
+    out = run_torchrun(WORKER, 2, str(tmp_path_factory.mktemp("megatron"))).stdout
+    found = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            item = json.loads(line.removeprefix("RESULT "))
+            found.setdefault((item["layout"], item["check"]), []).append(item["value"])
+    return found
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_logits_equal_hf_logits(results, layout):
+    diffs = results[layout, "logits"]
+    assert diffs and max(diffs) < 1e-4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_loss_and_gradients_equal_hf(results, layout):
+    assert max(results[layout, "loss"]) < 1e-5
+    assert results[layout, "grads"] == [pytest.approx(0, abs=1e-4)]  # max |diff| / max |grad|, per tensor
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gathered_shards_convert_back_to_the_exact_hf_weights(results, layout):
+    assert results[layout, "gather_exact"] == [True]
+
+
+def test_rng_tracker_streams_switch_on_cpu(results):
+    assert results["tp2pp1", "rng"] == [{"tp_ranks_differ": True, "advances": True, "default_equal": True}]

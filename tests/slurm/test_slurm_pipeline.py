@@ -3,7 +3,6 @@ checkpoint-and-requeue, and a failed stage ending its dependants — with `hpcr1
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -61,17 +60,46 @@ def all_done(run: Path) -> bool:
     return len(stages) == 2 and all(e["state"] == "done" for e in stages.values())
 
 
-def test_chained_stage_jobs_complete_in_order(slurm_env, tmp_path):
-    run = submit(slurm_env, tmp_path, TWO_STAGES)
-    first, second = manifest(run)["stage1_sft"], manifest(run)["stage3_sft"]
-    assert first["job_id"] != second["job_id"]
-    script = (run / "stage3_sft" / "logs" / "stage3_sft.sbatch").read_text()
+def embedded_default_shrunk() -> dict:
+    """configs/tiny-cpu.yaml cut to a few steps on one-digit sums: stage 1 must learn enough (~0.5
+    accuracy in 150 steps) for the synthesis stage to find correct answers, or it fails, as it should."""
+    config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    config.update(data={"arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8,
+                                       "eval_size": 8}},
+                  eval={"num_examples": 8, "max_new_tokens": 24, "batch_size": 8}, wandb={"mode": "disabled"})
+    config["stage1_sft"].update(steps=150, global_batch_size=32, micro_batch_size=16, lr=3e-3, min_lr=3e-4,
+                                warmup_steps=2, checkpoint_every=50)
+    config["stage3_sft"].update(steps=4, global_batch_size=8, micro_batch_size=4, warmup_steps=1, checkpoint_every=2)
+    for grpo in ("stage2_grpo", "stage4_grpo"):
+        config[grpo].update(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=24, checkpoint_every=1)
+    config["stage3_synth"].update(num_prompts=8, samples_per_prompt=2, max_new_tokens=24, batch_size=8)
+    return config
+
+
+HOSTILE_NAME = "x$(touch /tmp/pwned)`touch /tmp/pwned`'\"; touch /tmp/pwned"
+
+
+def test_embedded_default_runs_as_chained_jobs_with_hostile_names(slurm_env, tmp_path):
+    pwned = Path("/tmp/pwned")
+    pwned.unlink(missing_ok=True)
+    config = embedded_default_shrunk()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = tmp_path / "run $(touch /tmp/pwned) `id`"
+    hpcr1(slurm_env, "submit", str(path), "--cluster", "local", "--run-dir", str(run), f"name={HOSTILE_NAME}")
+    chain = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo"]
+    assert sorted(manifest(run)) == sorted(chain)
+    assert len({e["job_id"] for e in manifest(run).values()}) == 5
+    script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
     assert "--signal=B:USR1@30" in script and "--requeue" in script
-    wait_for(lambda: all_done(run), "both stages to finish")
+    wait_for(lambda: all(e["state"] == "done" for e in manifest(run).values())
+             or any(e["state"] == "failed" for e in manifest(run).values()), "all five stages", timeout=900)
     stages = manifest(run)
-    assert stages["stage1_sft"]["ended"] <= stages["stage3_sft"]["started"], "afterok chain not respected"
+    assert all(e["state"] == "done" for e in stages.values()), stages
+    assert all(stages[a]["ended"] <= stages[b]["started"] for a, b in zip(chain, chain[1:])), "afterok chain broken"
+    assert not pwned.exists(), "a hostile string was executed"
     status = hpcr1(slurm_env, "status", str(run)).stdout
-    assert status.count("done") == 2 and "COMPLETED" in status, status
+    assert status.count("done") == 5 and "COMPLETED" in status, status
 
 
 def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_path):

@@ -7,19 +7,31 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.models.convert import hf_to_megatron, megatron_to_hf, read_hf_weights, save_hf_dir
+from stages.models.megatron_llama import transformer_config_from_hf, validate_parallel_layout
+from stages.models.tiny import build_tiny_llama
+from tests.conftest import free_port
 
+# GQA with every layout below valid: 8 heads, 4 KV heads, vocab and FFN divisible by 4.
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+# Llama 3.1's RoPE scaling, with a base large enough that the scaling changes the low frequencies.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def random_llama(config: LlamaConfig) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(CONFIG).eval()
+    return random_llama(CONFIG)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4)])
@@ -32,13 +44,33 @@ def test_round_trip_is_bit_exact(hf_model, tp, pp):
         assert torch.equal(back[key], value), key
 
 
-def test_shards_have_megatron_shapes(hf_model):
+def test_shards_have_megatron_shapes_and_local_layer_numbers(hf_model):
     shard = hf_to_megatron(hf_model.state_dict(), CONFIG, tp_rank=1, tp_size=2, pp_rank=1, pp_size=2)
     d = 64 // 8
     assert shard["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((8 + 2 * 4) * d // 2, 64)
+    assert shard["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 8 * d // 2)
     assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (96, 64)  # gate and up halves
     assert shard["output_layer.weight"].shape == (64, 64)
     assert "embedding.word_embeddings.weight" not in shard and "decoder.layers.2.input_layernorm.weight" not in shard
+
+
+def test_layout_problems_name_the_dimension_that_does_not_split(hf_model):
+    assert validate_parallel_layout(CONFIG, tp=4, pp=2) == []
+    assert validate_parallel_layout(CONFIG, tp=8, pp=1) == ["tp=8 does not divide num_key_value_heads=4"]
+    problems = "\n".join(validate_parallel_layout(CONFIG, tp=3, pp=3))
+    for named in ("num_attention_heads=8", "num_key_value_heads=4", "vocab_size=128", "num_hidden_layers=4"):
+        assert named in problems
+    assert "intermediate_size" not in problems  # 96 splits in 3
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        hf_to_megatron(hf_model.state_dict(), CONFIG, tp_rank=0, tp_size=8, pp_rank=0, pp_size=1)
+
+
+@pytest.mark.parametrize("change,message", [({"tie_word_embeddings": True}, "tie_word_embeddings"),
+                                            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                                  "factor": 4.0}}, "RoPE scaling")])
+def test_unsupported_configs_are_rejected_clearly(change, message):
+    with pytest.raises(ValueError, match=message):
+        transformer_config_from_hf(LlamaConfig(**{**CONFIG.to_dict(), **change}))
 
 
 @pytest.fixture(scope="module")
@@ -47,38 +79,67 @@ def single_rank_megatron():
 
     from stages.engines.cpu_shim import apply_cpu_shim
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     apply_cpu_shim()
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     yield
     parallel_state.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
 
 
-def test_megatron_logits_equal_hf_logits(hf_model, tmp_path, single_rank_megatron):
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default_rope", "llama3_rope"])
+def test_megatron_logits_equal_hf_logits_at_non_pad_positions(tmp_path, single_rank_megatron, rope):
     from stages.models.convert import load_hf_into_megatron
     from stages.models.megatron_llama import build_megatron_llama
 
-    save_hf_dir(hf_model.state_dict(), CONFIG, tmp_path)
-    model = build_megatron_llama(CONFIG).eval()
-    load_hf_into_megatron(model, tmp_path, CONFIG)
+    config = CONFIG if rope is None else LlamaConfig(**{**CONFIG.to_dict(), "rope_parameters": rope,
+                                                        "max_position_embeddings": 131072})
+    hf_model = random_llama(config)
+    save_hf_dir(hf_model.state_dict(), config, tmp_path)
+    model = build_megatron_llama(config).eval()
+    load_hf_into_megatron(model, tmp_path)
+    # Short inputs barely turn the low frequencies that Llama 3 rescales: compare them directly.
+    assert torch.allclose(model.rotary_pos_emb.inv_freq, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
     ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(1))
     lengths = [20, 13, 7]  # right padding: compare only real positions
     mask = torch.tensor([[1] * n + [0] * (20 - n) for n in lengths])
     with torch.no_grad():
-        ours = model(ids, torch.arange(20).expand(3, 20), None)
+        ours = model(ids, torch.arange(20).expand(3, 20), None)  # None: megatron's causal mask
         theirs = hf_model(input_ids=ids, attention_mask=mask).logits
     for row, n in enumerate(lengths):
         assert (ours[row, :n] - theirs[row, :n]).abs().max() < 1e-4
 
 
-def test_saved_dir_loads_with_transformers_and_generates(hf_model, tmp_path):
-    save_hf_dir(hf_model.state_dict(), CONFIG, tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    for key, value in read_hf_weights(tmp_path).items():
-        assert torch.equal(value, hf_model.state_dict()[key])
-    out = loaded.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 8)
+def test_tiny_llama_depends_only_on_its_seed(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        build_tiny_llama(tmp_path / name, vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=64, seed=seed)
+    a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
+    assert {v.dtype for v in a.values()} == {torch.float32}
+    config = AutoConfig.from_pretrained(tmp_path / "a")
+    assert config.num_key_value_heads == 2 and not config.tie_word_embeddings
+
+
+def test_saved_dir_loads_with_transformers_and_generates(tmp_path):
+    from stages.data.tokenizer import build_char_tokenizer
+
+    base = tmp_path / "base"
+    tokenizer = build_char_tokenizer(base)
+    build_tiny_llama(base, vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     ffn_hidden_size=64, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    weights = read_hf_weights(base)
+    save_hf_dir(weights, AutoConfig.from_pretrained(base), tmp_path / "out", tokenizer_dir=base)
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    prompt = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    out = loaded.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert out.shape == (1, prompt.shape[1] + 5)

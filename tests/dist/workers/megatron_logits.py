@@ -1,70 +1,178 @@
-"""Worker: megatron logits at a TP/PP layout vs Hugging Face's on the same weights, and the
-gathered shards converting back to the HF weights exactly. argv: TP PP OUT_DIR"""
+"""Worker: on 2 ranks, for TP=2 and then PP=2, megatron's logits, loss and gradients vs Hugging
+Face's on the same weights (computed here, on every rank), the gathered shards converted back to
+the HF weights, and the RNG tracker's streams. Rank 0 prints every rank's findings as
+`RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
+import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
-from stages.models.convert import gather_megatron_shards, load_hf_into_megatron, megatron_to_hf, save_hf_dir
+from stages.models.convert import (gather_megatron_shards, gather_shards, load_hf_into_megatron, megatron_to_hf,
+                                   save_hf_dir)
 from stages.models.megatron_llama import build_megatron_llama
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
+LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
+FINDINGS = []  # this rank's {"layout", "check", "value"}
 
 
-def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor | None:
+def report(layout: str, check: str, value) -> None:
+    FINDINGS.append({"layout": layout, "check": check, "value": value})
+
+
+def print_findings_on_rank0() -> None:
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(FINDINGS, everyone, dst=0)
+    for finding in sum(everyone or [], []):
+        print("RESULT " + json.dumps(finding), flush=True)
+
+
+def make_batch():
+    ids = torch.randint(0, CONFIG.vocab_size, (len(LENGTHS), SEQ), generator=torch.Generator().manual_seed(1))
+    real = torch.tensor([[1.0] * n + [0.0] * (SEQ - n) for n in LENGTHS])
+    labels = torch.roll(ids, -1, dims=1)
+    loss_mask = real * torch.roll(real, -1, dims=1)  # the last real token has no next token
+    return ids, labels, real, loss_mask
+
+
+def micro_batches(*tensors) -> list[tuple]:
+    return [tuple(t[i * MICRO_BATCH:(i + 1) * MICRO_BATCH] for t in tensors) for i in range(MICRO_BATCHES)]
+
+
+def run_schedule(model, step, batches: list, forward_only: bool) -> list:
+    """megatron's schedule (1F1B at PP>1) over the micro-batches; what the last stage collected."""
+    return get_forward_backward_func()(forward_step_func=step, data_iterator=iter(batches),
+                                       model=[model], num_microbatches=MICRO_BATCHES, seq_length=SEQ,
+                                       micro_batch_size=MICRO_BATCH, forward_only=forward_only)
+
+
+def megatron_logits(model, ids) -> torch.Tensor | None:
     """Full-vocabulary logits on the last pipeline stage (None on the others)."""
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
 
-    def forward_step(data_iterator, model):
-        output = model(ids, positions, None)
-        # With collect_non_loss_data, whatever this returns is collected: the logits themselves.
-        return output, lambda out, non_loss_data=True: out
+    def step(data_iterator, model):
+        (micro_ids,) = next(data_iterator)
+        return model(micro_ids, positions, None), None  # no loss_func: the schedule keeps the output
 
-    outputs = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=[model],
-                                          num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
-                                          forward_only=True, collect_non_loss_data=True)
+    with torch.no_grad():
+        outputs = run_schedule(model, step, micro_batches(ids), forward_only=True)
     if not parallel_state.is_pipeline_last_stage():
         return None
-    local = outputs[0]
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(pieces, local.contiguous(), group=tp_group)
+    local = torch.cat(outputs)  # [batch, seq, vocab / tp]: the output layer is vocab-parallel
+    pieces = [torch.empty_like(local) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    dist.all_gather(pieces, local, group=parallel_state.get_tensor_model_parallel_group())
     return torch.cat(pieces, dim=-1)
 
 
-def main():
-    tp, pp, out = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    init_distributed()
-    apply_cpu_shim()
+def megatron_loss_and_backward(model, ids, labels, loss_mask) -> float | None:
+    """Mean token loss over the whole batch (calculate_per_token_loss: the schedule does not
+    average over micro-batches); gradients land in .grad."""
+    positions = torch.arange(SEQ).expand(MICRO_BATCH, SEQ)
+    total_tokens = loss_mask.sum()
+
+    def step(data_iterator, model):
+        micro_ids, micro_labels, mask = next(data_iterator)
+        token_losses = model(micro_ids, positions, None, labels=micro_labels)  # [micro batch, seq]
+
+        def loss_func(losses):  # (loss to backpropagate, its token count, what the schedule returns)
+            loss = (losses * mask).sum() / total_tokens
+            return loss, mask.sum().int(), {"loss": loss.detach()}
+
+        return token_losses, loss_func
+
+    outputs = run_schedule(model, step, micro_batches(ids, labels, loss_mask), forward_only=False)
+    return sum(o["loss"] for o in outputs).item() if parallel_state.is_pipeline_last_stage() else None
+
+
+def hf_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)  # the same weights on every rank and in every layout
+    return LlamaForCausalLM(CONFIG)
+
+
+def hf_reference(ids, labels, loss_mask):
+    """HF's model with the gradients of the mean token loss, its logits and that loss."""
+    hf = hf_model()
+    logits = hf(input_ids=ids).logits
+    token_losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    loss = (token_losses * loss_mask).sum() / loss_mask.sum()
+    loss.backward()
+    return hf, logits.detach(), loss.item()
+
+
+def max_diff_at_real_tokens(ours, theirs, real) -> float:
+    return ((ours - theirs).abs().amax(dim=-1) * real).max().item()
+
+
+def max_relative_grad_diff(ours: dict, hf) -> float:
+    """Over the HF tensors: max |ours - HF's| / max |HF's|."""
+    return max(((ours[k] - p.grad).abs().max() / p.grad.abs().max()).item() for k, p in hf.named_parameters())
+
+
+def check_rng_streams(layout: str) -> None:
+    """The tracker's model-parallel stream differs across TP ranks, advances between forks, and
+    leaves the default stream (equal across TP ranks) where it was."""
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with tracker.fork():
+        first = torch.rand(4)
+    with tracker.fork():
+        second = torch.rand(4)
+    draws = [None] * dist.get_world_size()
+    dist.all_gather_object(draws, (first, second, torch.rand(4)))
+    if dist.get_rank() == 0:
+        (a1, a2, a_default), (b1, _, b_default) = draws
+        report(layout, "rng", {"tp_ranks_differ": not torch.equal(a1, b1), "advances": not torch.equal(a1, a2),
+                               "default_equal": torch.equal(a_default, b_default)})
+
+
+def check_layout(tp: int, pp: int, hf_dir: Path) -> None:
+    layout = f"tp{tp}pp{pp}"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(CONFIG).eval()
-    if dist.get_rank() == 0:
-        save_hf_dir(hf.state_dict(), CONFIG, out / "hf")
-    dist.barrier()
-    model = build_megatron_llama(CONFIG).eval()
-    load_hf_into_megatron(model, out / "hf", CONFIG)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = megatron_logits(model, ids)
-        if logits is not None:
-            diff = (logits - hf(input_ids=ids).logits).abs().max().item()
-            print(f"LOGITS_MAX_DIFF {diff}", flush=True)
+    ids, labels, real, loss_mask = make_batch()
+    hf, hf_logits, hf_loss = hf_reference(ids, labels, loss_mask)
+    model = build_megatron_llama(CONFIG, calculate_per_token_loss=True)
+    load_hf_into_megatron(model, hf_dir)
+
+    logits = megatron_logits(model, ids)
+    if logits is not None:
+        report(layout, "logits", max_diff_at_real_tokens(logits, hf_logits, real))
+    loss = megatron_loss_and_backward(model, ids, labels, loss_mask)
+    if loss is not None:
+        report(layout, "loss", abs(loss - hf_loss))
+    grads = gather_shards({name: p.grad for name, p in model.named_parameters()})
     shards = gather_megatron_shards(model)
     if shards is not None:
-        back = megatron_to_hf(shards, CONFIG)
-        exact = all(torch.equal(back[k], v) for k, v in hf.state_dict().items()) and back.keys() == hf.state_dict().keys()
-        print(f"GATHER_EXACT {exact}", flush=True)
+        report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, CONFIG), hf))
+        back, expected = megatron_to_hf(shards, CONFIG), hf.state_dict()
+        report(layout, "gather_exact", back.keys() == expected.keys() and all(
+            torch.equal(back[k], v) for k, v in expected.items()))
+    if tp > 1:
+        check_rng_streams(layout)
     parallel_state.destroy_model_parallel()
+
+
+def main():
+    out = Path(sys.argv[1])
+    init_distributed()
+    apply_cpu_shim()
+    if dist.get_rank() == 0:
+        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf")
+    dist.barrier()
+    for tp, pp in ((2, 1), (1, 2)):
+        check_layout(tp, pp, out / "hf")
+    print_findings_on_rank0()
     dist.destroy_process_group()
 
 

@@ -1,0 +1,71 @@
+"""The actor role: the policy being trained, FSDP2-sharded over all ranks. It gives the old
+log-probabilities of a rollout batch (one forward over all of it) and runs the clipped-surrogate
+update over several epochs of mini-batches."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from verl.protocol import DataProto
+
+from pipeline.config import GRPOStage
+from stages.engines import fsdp2
+from stages.grpo.logprobs import response_log_probs
+from stages.grpo.losses import actor_loss, policy_loss_config
+
+
+class Actor:
+    def __init__(self, model_dir: Path, stage: GRPOStage):
+        self.stage = stage
+        self.model = fsdp2.load_sharded(model_dir, trainable=True)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0)
+        self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: DataProto) -> DataProto:
+        log_probs, entropy = response_log_probs(self.model, batch, with_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
+
+    def update(self, batch: DataProto) -> dict[str, float]:
+        """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns the means of
+        the losses, KL, clip fraction and gradient norm over the steps (and ranks)."""
+        totals: dict[str, torch.Tensor] = {}
+        world = dist.get_world_size()
+        for _ in range(self.stage.ppo_epochs):
+            for mini in batch.chunk(self.stage.mini_batches):
+                global_tokens = mini.batch["response_mask"].sum()
+                dist.all_reduce(global_tokens)
+                log_prob, _ = response_log_probs(self.model, mini)
+                loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
+                                         int(global_tokens.clamp(min=1)), world)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.stage.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                stats["grad_norm"] = grad_norm.full_tensor()
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value.detach().float()
+        # Every statistic's sum over ranks / ranks is its global value: the losses are this rank's
+        # share of a global token mean, the clip fraction a per-rank mean, the norm the same everywhere.
+        names = sorted(totals)
+        summed = torch.stack([totals[k] for k in names])
+        dist.all_reduce(summed)
+        updates = self.stage.ppo_epochs * self.stage.mini_batches
+        return {f"actor/{k}": v / (updates * world) for k, v in zip(names, summed.tolist())}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        return fsdp2.full_state_dict(self.model)
+
+    def save(self, directory: Path, trainer_state: dict) -> None:
+        fsdp2.save_checkpoint(self.model, self.optimizer, directory, trainer_state)
+
+    def load(self, directory: Path) -> dict:
+        return fsdp2.load_checkpoint(self.model, self.optimizer, directory)
+
+    def export_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
+        fsdp2.export_hf(self.model, out_dir, tokenizer_dir)
+
+    def close(self) -> None:
+        """Free the sharded policy and its optimizer state before final/ is evaluated."""
+        self.model = self.optimizer = None

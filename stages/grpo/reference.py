@@ -1,0 +1,21 @@
+"""The reference role: a frozen FSDP2-sharded copy of the stage's starting model, giving the
+log-probabilities the KL term compares the policy against."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from verl.protocol import DataProto
+
+from stages.engines import fsdp2
+from stages.grpo.logprobs import response_log_probs
+
+
+class Reference:
+    def __init__(self, model_dir: Path):
+        self.model = fsdp2.load_sharded(model_dir, trainable=False)
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        log_probs, _ = response_log_probs(self.model, batch)
+        return DataProto.from_dict(tensors={"ref_log_probs": log_probs})

@@ -1,0 +1,57 @@
+"""The rollout role: G sampled responses per prompt, batched, with HF generate and its KV cache.
+
+It keeps its own unsharded copy of the policy (as verl's rollout engine does) that `load_weights`
+overwrites with the actor's current parameters before every rollout. Measured on the tiny model
+(2 ranks, CPU): generating inside the FSDP2 module costs 3.6x a plain module (per-layer all-gathers
+and hooks at every decoding step; still 2x when kept unsharded), while gathering the full
+weights into the copy takes ~1/6 of a plain generate.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM
+from verl.protocol import DataProto
+
+from stages.data.examples import Example
+from stages.data.tokenizer import encode_prompt
+from stages.engines.fsdp2 import local_device
+from stages.generation import generate_tokens
+
+
+class Rollout:
+    def __init__(self, model_dir, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_p: float):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(local_device()).eval()
+        self.tokenizer = tokenizer
+        self.group_size, self.max_new_tokens = group_size, max_new_tokens
+        self.temperature, self.top_p = temperature, top_p
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def generate(self, prompts: list[Example], seed: int) -> DataProto:
+        """Rows are grouped: the G responses of a prompt are consecutive and share its `uid`."""
+        torch.manual_seed(seed)
+        prompt_ids = [encode_prompt(self.tokenizer, ex.prompt) for ex in prompts for _ in range(self.group_size)]
+        prompt, prompt_mask, responses = generate_tokens(self.model, self.tokenizer, prompt_ids,
+                                                         self.max_new_tokens, self.temperature, self.top_p)
+        batch = sequences(prompt, prompt_mask, responses, self.tokenizer.eos_token_id)
+        repeat = lambda values: np.array([v for v in values for _ in range(self.group_size)], dtype=object)  # noqa: E731
+        non_tensors = {"uid": repeat(ex.id for ex in prompts), "answer": repeat(ex.answer for ex in prompts),
+                       "response_text": np.array(self.tokenizer.batch_decode(responses, skip_special_tokens=True),
+                                                 dtype=object)}
+        return DataProto.from_dict(tensors=batch, non_tensors=non_tensors,
+                                   meta_info={"temperature": self.temperature})
+
+
+def sequences(prompt: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int) -> dict:
+    """Prompt + response as the model reads them. The response mask covers the tokens up to and
+    including the first eos (the padding generate adds after it is not the policy's doing);
+    positions count only real tokens, as generate counted them for the left-padded prompts."""
+    is_eos = (responses == eos_id).int()
+    response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {"prompts": prompt, "responses": responses, "input_ids": torch.cat([prompt, responses], dim=1),
+            "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask}

@@ -1,0 +1,122 @@
+"""GRPO (stage2_grpo, stage4_grpo): SPMD on torch.distributed. Every rank holds the four roles;
+a step is rollout -> reward -> old/reference log-probs -> advantages -> policy update, each in its
+named phase, with the phase wall times in the step's metrics. Resumable from the newest valid step
+checkpoint: the prompt order and the sampling seeds are functions of (seed, step, rank)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+from verl.protocol import DataProto
+
+from launch.phases import phase, take_phase_times
+from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
+from stages.context import StageContext
+from stages.data.examples import read_examples
+from stages.grpo.actor import Actor
+from stages.grpo.losses import grpo_advantages
+from stages.grpo.prompts import PromptSchedule, rank_share
+from stages.grpo.reference import Reference
+from stages.grpo.reward import RuleReward
+from stages.grpo.rollout import Rollout
+from stages.handoff import checkpoint_boundary, finish
+from stages.metrics import MetricsLogger
+
+
+@dataclass
+class Roles:
+    actor: Actor
+    reference: Reference | None  # None when kl_coef is 0
+    rollout: Rollout | None  # None where a test feeds fixed rollout batches
+    reward: RuleReward
+
+
+def build_roles(init_dir, tokenizer, stage) -> Roles:
+    return Roles(actor=Actor(init_dir, stage),
+                 reference=Reference(init_dir) if stage.kl_coef > 0 else None,
+                 rollout=Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
+                                 stage.top_p),
+                 reward=RuleReward(stage.format_reward))
+
+
+def sampling_seed(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible sampling stream per (run seed, step, rank)."""
+    return (seed * 1_000_003 + step) * 65_537 + rank
+
+
+def train_step(roles: Roles, prompts, seed: int) -> dict[str, float]:
+    with phase("weight_sync"):
+        roles.rollout.load_weights(roles.actor.full_weights())
+    with phase("rollout"):
+        batch = roles.rollout.generate(prompts, seed)
+    return learn_from(roles, batch)
+
+
+def learn_from(roles: Roles, batch: DataProto) -> dict[str, float]:
+    """Everything after the rollout: score, log-probs, advantages, update."""
+    with phase("reward"):
+        batch = batch.union(roles.reward(batch))
+    with phase("policy_logprob"):
+        batch = batch.union(roles.actor.compute_log_prob(batch))
+    if roles.reference is not None:
+        with phase("reference_logprob"):
+            batch = batch.union(roles.reference.compute_ref_log_prob(batch))
+    with phase("advantage"):
+        batch = batch.union(grpo_advantages(batch))
+    with phase("policy_update"):
+        update_stats = roles.actor.update(batch)
+    return {**rollout_stats(batch), **update_stats}
+
+
+def rollout_stats(batch: DataProto) -> dict[str, float]:
+    """Reward mean/std, accuracy, format rate, response length and policy entropy over all ranks."""
+    t, nt = batch.batch, batch.non_tensor_batch
+    rewards = t["token_level_rewards"].sum(dim=1)
+    mask = t["response_mask"].float()
+    sums = torch.stack([torch.tensor(float(len(batch))), rewards.sum().cpu(), rewards.square().sum().cpu(),
+                        torch.tensor(float(nt["correct"].sum())), torch.tensor(float(nt["format_ok"].sum())),
+                        mask.sum().cpu(), (t["entropy"] * mask).sum().cpu()]).to(rewards.device)
+    dist.all_reduce(sums)
+    n, r, r2, correct, well_formed, tokens, entropy = sums.tolist()
+    mean = r / n
+    return {"reward/mean": mean, "reward/std": max(r2 / n - mean * mean, 0.0) ** 0.5, "accuracy": correct / n,
+            "format_rate": well_formed / n, "response_length/mean": tokens / n, "entropy": entropy / max(tokens, 1)}
+
+
+def run(ctx: StageContext) -> None:
+    stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
+    rank, world = dist.get_rank(), dist.get_world_size()
+    init_dir = run.model_dir(stage.init_from)
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    schedule = PromptSchedule(read_examples(run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
+    roles = build_roles(init_dir, tokenizer, stage)
+
+    ckpts = CheckpointDir(run.ckpt(ctx.stage_id), keep=stage.keep_checkpoints)
+    step = 0
+    resume = agreed_resume_step(ckpts)
+    if resume is not None:
+        step = roles.actor.load(ckpts.root / step_name(resume))["step"]
+        ctx.log.info("resumed from step %d", step)
+    metrics = MetricsLogger(run.metrics(ctx.stage_id), ctx.is_main, step, cfg.wandb.mode, cfg.wandb.project,
+                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
+    bar = ctx.progress(stage.steps, initial=step)
+    while step < stage.steps:
+        ctx.begin_step(step + 1)
+        started = time.perf_counter()
+        prompts = rank_share(schedule.global_batch(step), rank, world, stage.mini_batches)
+        stats = train_step(roles, prompts, sampling_seed(cfg.seed, step, rank))
+        step += 1
+        elapsed = time.perf_counter() - started
+        phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}
+        samples = stage.prompts_per_step * stage.group_size
+        metrics.log(step, {**stats, **phases, "step_time_s": elapsed, "samples_per_s": samples / elapsed})
+        bar.update()
+        bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", acc=f"{stats['accuracy']:.2f}")
+        checkpoint_boundary(ctx, roles.actor, ckpts, step)
+    bar.close()
+    metrics.close()
+    ctx.log.info("training done at step %d", step)
+    finish(ctx, roles.actor, init_dir)

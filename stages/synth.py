@@ -1,0 +1,165 @@
+"""Synthetic data (stage3_synth) by rejection sampling: an earlier stage's model answers the first
+`num_prompts` prompts `samples_per_prompt` times each; only answers that the task's reward scores
+correct AND well-formed are kept, deduplicated and capped per prompt, and written as JSONL with
+provenance (prompt id, sample index, reward, and the generating model's path and checksum).
+
+Work is spread dynamically: batches of prompts are taken from a counter in the process group's
+store, so a rank that finishes early takes the next batch instead of idling. Each batch samples
+from its own seed, so the dataset does not depend on which rank took which batch.
+
+The stage's final/ is not a model: it holds the dataset (a hard link to data/synthetic.jsonl, so
+the driver's checksum covers exactly the file the next stage reads) and provenance.json. Its
+eval.json reports the acceptance rate (kept / sampled) as `accuracy` over `n` samples.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from launch.phases import phase, take_phase_times
+from pipeline.atomic import atomic_write_text, file_sha256
+from stages.context import StageContext
+from stages.data.examples import Example, read_examples, write_examples
+from stages.engines.fsdp2 import local_device
+from stages.generation import generate_responses
+from stages.metrics import MetricsLogger
+from stages.rewards.math_reward import score
+
+
+@dataclass(frozen=True)
+class Candidate:
+    prompt_index: int
+    sample_index: int
+    response: str
+    reward: float
+
+
+class BatchQueue:
+    """Batch numbers handed out once each across all ranks, first come first served."""
+
+    def __init__(self, key: str, num_batches: int):
+        self.store, self.key, self.num_batches = dist.distributed_c10d._get_default_store(), key, num_batches
+
+    def __iter__(self):
+        while (batch := self.store.add(self.key, 1) - 1) < self.num_batches:
+            yield batch
+
+
+def sample_batch(model, tokenizer, prompts: list[Example], first: int, stage, seed: int) -> tuple[list[Candidate], int]:
+    """Sample and score one batch; returns the accepted candidates and the number of samples."""
+    torch.manual_seed(seed)
+    repeated = [ex.prompt for ex in prompts for _ in range(stage.samples_per_prompt)]
+    with phase("generation"):
+        responses = generate_responses(model, tokenizer, repeated, stage.max_new_tokens, stage.temperature,
+                                       stage.top_p)
+    accepted = []
+    with phase("scoring"):
+        for row, response in enumerate(responses):
+            offset, sample = divmod(row, stage.samples_per_prompt)
+            s = score(response, prompts[offset].answer)
+            if s.correct and s.format_ok:
+                accepted.append(Candidate(first + offset, sample, response, s.reward))
+    return accepted, len(responses)
+
+
+def keep_distinct(candidates: list[Candidate], max_per_prompt: int) -> list[Candidate]:
+    """Per prompt, in sample order: the first `max_per_prompt` distinct responses."""
+    kept, seen, per_prompt = [], set(), {}
+    for c in sorted(candidates, key=lambda c: (c.prompt_index, c.sample_index)):
+        if (c.prompt_index, c.response) in seen or per_prompt.get(c.prompt_index, 0) >= max_per_prompt:
+            continue
+        seen.add((c.prompt_index, c.response))
+        per_prompt[c.prompt_index] = per_prompt.get(c.prompt_index, 0) + 1
+        kept.append(c)
+    return kept
+
+
+def gather_to_main(value):
+    """Every rank's `value`, in rank order, on rank 0 (None elsewhere)."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
+def run(ctx: StageContext) -> None:
+    stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
+    model_dir = run.model_dir(stage.init_from)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(local_device()).eval()
+    prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
+    num_batches = -(-len(prompts) // stage.batch_size)
+
+    ctx.begin_step(1)
+    started = time.perf_counter()
+    mine, sampled, batches_taken = [], 0, 0
+    bar = ctx.progress(num_batches, unit="batch")
+    for b in BatchQueue(f"{ctx.stage_id}/next_batch", num_batches):
+        first = b * stage.batch_size
+        accepted, n = sample_batch(model, tokenizer, prompts[first:first + stage.batch_size], first, stage,
+                                   seed=cfg.seed * 1_000_003 + b)
+        mine += accepted
+        sampled += n
+        batches_taken += 1
+        bar.update()  # rank 0's own batches only: a lower bound on the progress of all ranks
+    busy = time.perf_counter() - started
+    bar.close()
+    with phase("gather"):
+        gathered = gather_to_main((mine, sampled, batches_taken, busy))
+    if ctx.is_main:
+        write_outputs(ctx, prompts, gathered, model_dir, take_phase_times())
+    dist.barrier()
+
+
+def write_outputs(ctx: StageContext, prompts: list[Example], gathered: list, model_dir, phase_times: dict) -> None:
+    stage, run = ctx.stage, ctx.run
+    candidates = [c for mine, *_ in gathered for c in mine]
+    sampled = sum(n for _, n, _, _ in gathered)
+    kept = keep_distinct(candidates, stage.max_per_prompt)
+    if not kept:
+        raise RuntimeError(f"none of the {sampled} answers of {model_dir} was correct and well-formed: "
+                           "there is no data for the SFT stage that reads this one")
+    model = {"path": str(model_dir), "sha256": file_sha256(model_dir / "model.safetensors")}
+    examples = [Example(f"{prompts[c.prompt_index].id}-s{c.sample_index}", prompts[c.prompt_index].prompt,
+                        prompts[c.prompt_index].answer, c.response) for c in kept]
+    provenance = [{"prompt_id": prompts[c.prompt_index].id, "sample_index": c.sample_index, "reward": c.reward,
+                   "model": model} for c in kept]
+    data = run.synthetic_data(ctx.stage_id)
+    write_examples(data, examples, extra=provenance)
+
+    busy = [t for *_, t in gathered]
+    summary = {"model": model, "prompts": len(prompts), "sampled": sampled, "accepted": len(candidates),
+               "kept": len(kept), "prompts_covered": len({c.prompt_index for c in kept}),
+               "acceptance_rate": len(candidates) / max(sampled, 1),
+               "generation_time_s_per_rank": busy, "batches_per_rank": [b for _, _, b, _ in gathered],
+               "imbalance_slowest_over_fastest": max(busy) / max(min(busy), 1e-9)}
+    publish_final(ctx, data, summary)
+    cfg = ctx.cfg
+    metrics = MetricsLogger(run.metrics(ctx.stage_id), True, 0, cfg.wandb.mode, cfg.wandb.project,
+                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
+    metrics.log(1, {**summary, **{f"phase_time/{k}": v for k, v in phase_times.items()}})
+    metrics.close()
+    atomic_write_text(run.eval_result(ctx.stage_id), json.dumps({"accuracy": summary["acceptance_rate"],
+                                                                 "n": sampled, "kept": len(kept)}))
+    ctx.log.info("kept %d of %d samples (%d correct) for %d of %d prompts; generation time per rank %s s, "
+                 "slowest/fastest %.2f", len(kept), sampled, len(candidates), summary["prompts_covered"],
+                 len(prompts), [round(t, 1) for t in busy], summary["imbalance_slowest_over_fastest"])
+
+
+def publish_final(ctx: StageContext, data, summary: dict) -> None:
+    """final/ = the dataset and its provenance, assembled aside and renamed into place."""
+    final = ctx.run.final(ctx.stage_id)
+    staging = final.with_name("final.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    os.link(data, staging / data.name)
+    atomic_write_text(staging / "provenance.json", json.dumps(summary, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)

@@ -1,0 +1,65 @@
+"""One GRPO update on a fixed rollout batch (the same global batch whatever the number of ranks):
+argv = MODEL_DIR OUT_FILE. Rank 0 saves the updated full weights to OUT_FILE."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from verl.protocol import DataProto
+
+from pipeline.config import GRPOStage
+from stages.grpo.actor import Actor
+from stages.grpo.prompts import rank_share
+from stages.grpo.reference import Reference
+from stages.grpo.reward import RuleReward
+from stages.grpo.rollout import sequences
+from stages.grpo.trainer import Roles, learn_from
+
+PAD, EOS, VOCAB = 0, 1, 32
+STAGE = GRPOStage(prompts_per_step=8, group_size=4, mini_batches=2, ppo_epochs=2, lr=1e-2, kl_coef=0.1,
+                  clip_ratio=0.2)
+
+
+def fixed_global_batch() -> DataProto:
+    """Random prompts of different lengths (left-padded), responses ending at random eos positions,
+    and texts whose rewards differ within every group."""
+    g = torch.Generator().manual_seed(1234)
+    rows = STAGE.prompts_per_step * STAGE.group_size
+    lengths = torch.randint(2, 6, (STAGE.prompts_per_step,), generator=g).repeat_interleave(STAGE.group_size)
+    prompt = torch.randint(2, VOCAB, (rows, 6), generator=g)
+    prompt_mask = (torch.arange(6) >= 6 - lengths[:, None]).long()
+    prompt = prompt * prompt_mask  # left padding
+    responses = torch.randint(2, VOCAB, (rows, 7), generator=g)
+    ends = torch.randint(1, 7, (rows,), generator=g)
+    for row, end in enumerate(ends.tolist()):
+        responses[row, end] = EOS
+        responses[row, end + 1:] = PAD
+    texts = ["<think>x</think><answer>1</answer>", "<answer>1</answer>", "<answer>2</answer>", "1"]
+    non_tensors = {"uid": np.array([f"p{r // STAGE.group_size}" for r in range(rows)], dtype=object),
+                   "answer": np.array(["1"] * rows, dtype=object),
+                   "response_text": np.array([texts[r % len(texts)] for r in range(rows)], dtype=object)}
+    return DataProto.from_dict(tensors=sequences(prompt, prompt_mask, responses, EOS), non_tensors=non_tensors,
+                               meta_info={"temperature": 1.0})
+
+
+def main(model_dir: Path, out_file: Path) -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    prompts = rank_share(list(range(STAGE.prompts_per_step)), dist.get_rank(), dist.get_world_size(),
+                         STAGE.mini_batches)
+    mine = fixed_global_batch().select_idxs([p * STAGE.group_size + k for p in prompts
+                                             for k in range(STAGE.group_size)])
+    roles = Roles(actor=Actor(model_dir, STAGE), reference=Reference(model_dir), rollout=None,
+                  reward=RuleReward(STAGE.format_reward))
+    stats = learn_from(roles, mine)
+    weights = roles.actor.full_weights()
+    if dist.get_rank() == 0:
+        torch.save({"weights": weights, "stats": stats}, out_file)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,154 @@
+"""GRPO's wiring checked against hand computations on toy batches (not against verl's code path):
+group-normalised advantages, the clipped surrogate, the KL term, and which tokens count — never
+the prompt, never the padding before a prompt or after a response's eos."""
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from verl.protocol import DataProto
+
+from stages.grpo.logprobs import response_log_probs
+from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
+from stages.grpo.prompts import rank_share
+from stages.grpo.reward import RuleReward
+from stages.grpo.rollout import sequences
+
+PAD, EOS = 0, 1
+CLIP, KL_COEF = 0.2, 0.05
+
+
+def toy_batch() -> DataProto:
+    """Two prompts x two responses of up to three tokens; row 1 ends after two tokens (its third
+    position is padding); the masked positions hold absurd values that must not matter."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    rewards = torch.zeros(4, 3)
+    rewards[0, 2], rewards[1, 1], rewards[2, 2], rewards[3, 2] = 1.1, 0.1, 0.0, 1.0
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, 50.0], [-0.7, -0.7, -0.7], [-2.0, -0.1, -1.0]])
+    ref = torch.tensor([[-1.1, -0.4, -2.0], [-0.3, -1.0, -50.0], [-0.9, -0.6, -0.8], [-1.5, -0.1, -1.2]])
+    return DataProto.from_dict(tensors={"response_mask": mask, "token_level_rewards": rewards,
+                                        "old_log_probs": old, "ref_log_probs": ref},
+                               non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+
+
+def hand_advantages() -> list[float]:
+    out = []
+    for group in ([1.1, 0.1], [0.0, 1.0]):
+        mean, std = statistics.mean(group), statistics.stdev(group)  # verl's torch.std is the sample std
+        out += [(r - mean) / (std + 1e-6) for r in group]
+    return out
+
+
+def test_advantages_are_group_normalised_rewards_on_response_tokens_only():
+    batch = toy_batch()
+    adv = grpo_advantages(batch).batch["advantages"]
+    mask = batch.batch["response_mask"]
+    for row, expected in enumerate(hand_advantages()):
+        for col in range(3):
+            assert adv[row, col].item() == pytest.approx(expected if mask[row, col] else 0.0, abs=1e-5)
+
+
+def hand_loss(log_prob: torch.Tensor, batch: DataProto) -> tuple[float, float, float]:
+    """(total loss, KL, clip fraction): token means over the unmasked tokens, written out."""
+    t = batch.batch
+    pg_terms, kl_terms, clipped = [], [], 0
+    for row, a in enumerate(hand_advantages()):
+        for col in range(3):
+            if not t["response_mask"][row, col]:
+                continue
+            lp, old, ref = (float(x[row, col]) for x in (log_prob, t["old_log_probs"], t["ref_log_probs"]))
+            ratio = math.exp(lp - old)
+            clipped_ratio = min(max(ratio, 1 - CLIP), 1 + CLIP)
+            term = max(-a * ratio, -a * clipped_ratio)
+            clipped += -a * clipped_ratio > -a * ratio
+            pg_terms.append(min(term, -a * 3.0) if a < 0 else term)  # dual clip (c = 3) for a < 0
+            kl_terms.append(math.exp(ref - lp) - (ref - lp) - 1)  # k3 / low_var_kl
+    n = len(pg_terms)
+    kl = sum(kl_terms) / n
+    return sum(pg_terms) / n + KL_COEF * kl, kl, clipped / n
+
+
+def test_clipped_loss_and_kl_match_hand_computation_and_ignore_masked_tokens():
+    batch = toy_batch()
+    batch = batch.union(grpo_advantages(batch))
+    # Ratios inside and outside the clip range, for positive and negative advantages.
+    log_prob = batch.batch["old_log_probs"] + torch.tensor([[0.5, -0.05, 0.0], [0.3, -0.4, 9.0],
+                                                              [-0.5, 0.1, 0.05], [0.25, -0.3, 0.0]])
+    log_prob.requires_grad_(True)
+    tokens = int(batch.batch["response_mask"].sum())
+    loss, stats = actor_loss(log_prob, batch, policy_loss_config(CLIP, 2), KL_COEF, "low_var_kl", tokens, world=1)
+    expected_loss, expected_kl, expected_clip = hand_loss(log_prob.detach(), batch)
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert stats["kl"].item() == pytest.approx(expected_kl, abs=1e-5)
+    assert stats["clip_frac"].item() == pytest.approx(expected_clip, abs=1e-6)
+    assert 0 < expected_clip < 1, "the toy batch must exercise both sides of the clip"
+    loss.backward()
+    assert log_prob.grad[1, 2] == 0, "a padding token after eos must get no gradient"
+
+
+def test_rank_share_of_loss_sums_to_the_one_rank_loss():
+    """Each rank's loss is its token sum over the global token count, times the ranks: the mean
+    over ranks (what FSDP's gradient average computes) is the one-rank loss."""
+    batch = toy_batch()
+    batch = batch.union(grpo_advantages(batch))
+    log_prob = batch.batch["old_log_probs"] + 0.1
+    config = policy_loss_config(CLIP, 2)
+    tokens = int(batch.batch["response_mask"].sum())
+    whole, _ = actor_loss(log_prob, batch, config, KL_COEF, "low_var_kl", tokens, world=1)
+    halves = [actor_loss(log_prob[i:i + 2], part, config, KL_COEF, "low_var_kl", tokens, world=2)[0]
+              for i, part in zip((0, 2), batch.chunk(2))]
+    assert (halves[0] + halves[1]).item() / 2 == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_response_mask_ends_at_first_eos_and_positions_skip_left_padding():
+    prompt = torch.tensor([[PAD, 5, 6], [7, 8, 9]])
+    prompt_mask = (prompt != PAD).long()
+    responses = torch.tensor([[4, EOS, PAD, PAD], [4, 4, 4, 4]])
+    seq = sequences(prompt, prompt_mask, responses, EOS)
+    assert seq["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert seq["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0, 0], [1] * 7]
+    assert seq["position_ids"][0, 1:5].tolist() == [0, 1, 2, 3]
+    assert seq["position_ids"][1].tolist() == list(range(7))
+
+
+def test_batched_log_probs_equal_unpadded_single_sequence_log_probs():
+    """The one batched forward (left-padded prompts, responses padded after eos) gives each response
+    token the log-probability a forward over that sequence alone, without any padding, gives."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
+                                         eos_token_id=EOS, bos_token_id=None)).eval()
+    prompts, answers = [[5, 6], [7, 8, 9, 10]], [[11, EOS], [12, 13, 14]]
+    width = max(map(len, prompts))
+    prompt = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    responses = torch.tensor([a + [PAD] * (3 - len(a)) for a in answers])
+    batch = DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
+                                meta_info={"temperature": 1.0})
+    with torch.no_grad():
+        batched, _ = response_log_probs(model, batch)
+        for row, (p, a) in enumerate(zip(prompts, answers)):
+            logits = model(torch.tensor([p + a])).logits[0].log_softmax(-1)
+            alone = [logits[len(p) - 1 + i, tok].item() for i, tok in enumerate(a)]
+            assert batched[row, :len(a)].tolist() == pytest.approx(alone, abs=1e-5)
+
+
+def test_reward_sits_on_the_last_response_token():
+    batch = DataProto.from_dict(tensors={"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])},
+                                non_tensors={"response_text": np.array(["<think>1+1=2</think><answer>2</answer>",
+                                                                        "<answer>3</answer>"], dtype=object),
+                                             "answer": np.array(["2", "2"], dtype=object)})
+    out = RuleReward(format_weight=0.1)(batch)
+    assert out.batch["token_level_rewards"].flatten().tolist() == pytest.approx([0, 1.1, 0, 0, 0, 0])
+    assert out.non_tensor_batch["correct"].tolist() == [True, False]
+
+
+def test_mini_batch_m_holds_the_same_prompts_on_one_rank_and_on_two():
+    global_batch = list(range(8))
+    one = rank_share(global_batch, 0, 1, mini_batches=2)
+    two = [rank_share(global_batch, r, 2, mini_batches=2) for r in range(2)]
+    for m in range(2):
+        assert sorted(one[m * 4:(m + 1) * 4]) == sorted(two[0][m * 2:(m + 1) * 2] + two[1][m * 2:(m + 1) * 2])
