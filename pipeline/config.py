@@ -6,6 +6,7 @@ field; nothing is written before a config has passed. YAML files only override t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -275,11 +276,25 @@ def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` as a string (it wants `1.0e-4`); users write learning rates the short way."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."))
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(str(path), "config file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = _load_yaml(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -303,7 +318,7 @@ def _apply_override(raw: dict, item: str) -> None:
             raise ConfigError(".".join(parents[: i + 1]), f"is a value, not a section (in override {item!r})")
         node = child
     try:
-        node[leaf] = yaml.safe_load(value)
+        node[leaf] = _load_yaml(value)
     except yaml.YAMLError:
         raise ConfigError(key, f"override value {value!r} is not valid YAML") from None
 

@@ -91,6 +91,17 @@ def test_bad_override_exits_2_naming_the_field(case, tmp_path, capsys):
     assert rc == 2 and field in err, err
 
 
+def test_short_exponent_floats_read_as_numbers(tmp_path):
+    """YAML 1.1 reads `1e-4` as a string; a learning rate written that way must work, in the file too."""
+    from pipeline.config import load_config
+
+    path = tmp_path / "c.yaml"
+    config = {**BASE, "stage1_sft": {**BASE.get("stage1_sft", {}), "lr": "LR"}}
+    path.write_text(yaml.safe_dump(config).replace("LR", "1e-4"))
+    cfg = load_config(path, ["stage1_sft.min_lr=5E-6"])
+    assert cfg.stage1_sft.lr == 1e-4 and cfg.stage1_sft.min_lr == 5e-6
+
+
 BAD_DATA = {
     "invalid JSON": ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n', ":2"),
     "row is not an object": ('{"prompt": "1+1=", "answer": "2"}\n[1, 2]\n', ":2"),
