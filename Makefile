@@ -19,6 +19,8 @@ setup: .venv/.done
 	$(PIP) install -q -c constraints.txt --no-deps -e .
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then \
 	  echo "setup: refusing to finish: nvidia-* packages were installed (a CUDA torch slipped in)"; exit 1; fi
+	# DeepSpeed compiles its CPU shared-memory collective op on first use (~45 s): do it now, not in a stage.
+	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $@
 
 # Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.
