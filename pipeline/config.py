@@ -149,7 +149,10 @@ class GRPOStage(Section):
     top_p: float = 1.0
     """Nucleus sampling threshold of the rollout."""
     lr: float = 1e-4
-    """Actor learning rate (AdamW, constant)."""
+    """Actor learning rate (AdamW), constant after the warmup."""
+    warmup_steps: int = 0
+    """Iterations of linear learning-rate warmup. Adam's first updates move every weight by about lr
+    whatever the noise in the policy gradient, which can undo much of a small model's SFT."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     mini_batches: int = 2
@@ -402,6 +405,8 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
 def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "lr", "ppo_epochs", "mini_batches"):
         _positive(f"{sid}.{name}", getattr(s, name))
+    if s.warmup_steps < 0:
+        raise ConfigError(f"{sid}.warmup_steps", f"must not be negative (got {s.warmup_steps})")
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
     if s.prompts_per_step % cfg.nproc:

@@ -93,7 +93,15 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
     evaluation = json.loads(run.eval_result(sid).read_text())
     manifest.finish(sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)),
                     eval=evaluation)
-    echo(f"{sid}: done, held-out accuracy {evaluation['accuracy']:.3f} (n={evaluation['n']})")
+    echo(f"{sid}: done, {_outcome(evaluation)}")
+
+
+def _outcome(evaluation: dict) -> str:
+    """A generation stage reports how many of its samples it kept; a training stage its model's
+    held-out accuracy."""
+    if "kept" in evaluation:
+        return f"kept {evaluation['kept']} of {evaluation['n']} sampled answers (acceptance {evaluation['accuracy']:.3f})"
+    return f"held-out accuracy {evaluation['accuracy']:.3f} (n={evaluation['n']})"
 
 
 def input_hash(cfg: RunConfig, sid: str, manifest: Manifest) -> str:

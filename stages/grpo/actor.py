@@ -27,9 +27,11 @@ class Actor:
         log_probs, entropy = response_log_probs(self.model, batch, with_entropy=True)
         return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
 
-    def update(self, batch: DataProto) -> dict[str, float]:
+    def update(self, batch: DataProto, iteration: int) -> dict[str, float]:
         """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns the means of
-        the losses, KL, clip fraction and gradient norm over the steps (and ranks)."""
+        the losses, KL, clip fraction and gradient norm over the steps (and ranks). The learning
+        rate is a function of the iteration (1-based), so a resumed run needs no scheduler state."""
+        self._set_lr(self.stage.lr * min(1.0, iteration / max(self.stage.warmup_steps, 1)))
         totals: dict[str, torch.Tensor] = {}
         world = dist.get_world_size()
         for _ in range(self.stage.ppo_epochs):
@@ -53,6 +55,10 @@ class Actor:
         dist.all_reduce(summed)
         updates = self.stage.ppo_epochs * self.stage.mini_batches
         return {f"actor/{k}": v / (updates * world) for k, v in zip(names, summed.tolist())}
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         return fsdp2.full_state_dict(self.model)

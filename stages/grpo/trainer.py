@@ -47,15 +47,15 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 65_537 + rank
 
 
-def train_step(roles: Roles, prompts, seed: int) -> dict[str, float]:
+def train_step(roles: Roles, prompts, seed: int, iteration: int) -> dict[str, float]:
     with phase("weight_sync"):
         roles.rollout.load_weights(roles.actor.full_weights())
     with phase("rollout"):
         batch = roles.rollout.generate(prompts, seed)
-    return learn_from(roles, batch)
+    return learn_from(roles, batch, iteration)
 
 
-def learn_from(roles: Roles, batch: DataProto) -> dict[str, float]:
+def learn_from(roles: Roles, batch: DataProto, iteration: int) -> dict[str, float]:
     """Everything after the rollout: score, log-probs, advantages, update."""
     with phase("reward"):
         batch = batch.union(roles.reward(batch))
@@ -67,7 +67,7 @@ def learn_from(roles: Roles, batch: DataProto) -> dict[str, float]:
     with phase("advantage"):
         batch = batch.union(grpo_advantages(batch))
     with phase("policy_update"):
-        update_stats = roles.actor.update(batch)
+        update_stats = roles.actor.update(batch, iteration)
     return {**rollout_stats(batch), **update_stats}
 
 
@@ -107,7 +107,7 @@ def run(ctx: StageContext) -> None:
         ctx.begin_step(step + 1)
         started = time.perf_counter()
         prompts = rank_share(schedule.global_batch(step), rank, world, stage.mini_batches)
-        stats = train_step(roles, prompts, sampling_seed(cfg.seed, step, rank))
+        stats = train_step(roles, prompts, sampling_seed(cfg.seed, step, rank), step + 1)
         step += 1
         elapsed = time.perf_counter() - started
         phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}

@@ -54,7 +54,7 @@ def main(model_dir: Path, out_file: Path) -> None:
                                              for k in range(STAGE.group_size)])
     roles = Roles(actor=Actor(model_dir, STAGE), reference=Reference(model_dir), rollout=None,
                   reward=RuleReward(STAGE.format_reward))
-    stats = learn_from(roles, mine)
+    stats = learn_from(roles, mine, iteration=1)
     weights = roles.actor.full_weights()
     if dist.get_rank() == 0:
         torch.save({"weights": weights, "stats": stats}, out_file)
