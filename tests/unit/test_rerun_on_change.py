@@ -13,6 +13,7 @@ import yaml
 from pipeline.config import load_config
 from pipeline.driver import run_pipeline
 from pipeline.rundir import RunDir
+from stages.checkpoint import CheckpointDir
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import write_examples
 from tests.conftest import REPO
@@ -97,3 +98,20 @@ def test_changed_final_is_recomputed_alone(workspace):
     # Recomputing restores the same final/ (same inputs): nothing downstream needs to change.
     assert rerun(root) == ["stage2_grpo"]
     assert "no longer matches" in reasons(run)["stage2_grpo"]
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_recorded_as_resume_point(workspace):
+    root, run = workspace
+    ckpts = CheckpointDir(run.ckpt("stage4_grpo"), keep=3)
+    for step in (5, 10):
+        ckpts.staging(step).mkdir(parents=True)
+        (ckpts.staging(step) / "model.pt").write_bytes(bytes(100))
+        ckpts.seal(step)
+    (ckpts.root / "step-000010" / "model.pt").write_bytes(bytes(50))  # truncated
+    (run.final("stage4_grpo") / "model.txt").write_text("tampered")  # running again, same inputs
+    said: list[str] = []
+    run_pipeline(load_config(root / "run.yaml"), run, root, echo=said.append, launcher=stand_in_stage)
+    entry = json.loads((run.root / "manifest.json").read_text())["stages"]["stage4_grpo"]
+    assert entry["resume_from"] == 5 and list(entry["skipped_checkpoints"]) == ["step-000010"], entry
+    assert any("step-000010 is unusable (checksum mismatch in model.pt)" in line for line in said), said
+    assert sorted(entry["checkpoints"]) == ["step-000005", "step-000010"]
