@@ -27,10 +27,11 @@ def repo_env() -> dict[str, str]:
     return env
 
 
-def run_stage_locally(run_dir: Path, stage_id: str, nproc: int) -> int:
-    """Runs the stage to completion; returns torchrun's exit code. Rank logs go to <stage>/logs/."""
+def run_stage_locally(run_dir: Path, stage_id: str, nproc: int, pass_fds: tuple[int, ...] = ()) -> int:
+    """Runs the stage to completion; returns torchrun's exit code. Rank logs go to <stage>/logs/.
+    `pass_fds`: descriptors torchrun inherits (the run directory's lock)."""
     env = repo_env()
     # One intra-op thread pool per rank sized to its share of the cores: oversubscription
     # (every rank using every core) makes gloo collectives and matmuls crawl.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.run(torchrun_command(run_dir, stage_id, nproc), env=env).returncode
+    return subprocess.run(torchrun_command(run_dir, stage_id, nproc), env=env, pass_fds=pass_fds).returncode

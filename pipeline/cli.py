@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if leftover:
         args.overrides = [*args.overrides, *leftover]
     from pipeline.config import ConfigError
+    from pipeline.runlock import RunDirBusy
     from stages.data.examples import DataError
 
     try:
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"hpcr1: error: {e}", file=sys.stderr)
         return 2
+    except RunDirBusy as e:
+        print(f"hpcr1: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("hpcr1: interrupted; `hpcr1 run` again resumes from the last checkpoint", file=sys.stderr)
         return 130

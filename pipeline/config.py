@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 STAGE_IDS = ("stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo")
 
@@ -25,21 +26,29 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    # No inf/nan: `lr: .inf` would start a run that can only produce nan losses.
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(gt=0, le=1)]
 
 
 class TinyModel(Section):
-    hidden_size: int = 128
+    hidden_size: PositiveInt = 128
     """Width of the residual stream."""
-    num_layers: int = 4
+    num_layers: PositiveInt = 4
     """Transformer blocks."""
-    num_heads: int = 4
+    num_heads: PositiveInt = 4
     """Query heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: PositiveInt = 2
     """Key/value heads (grouped-query attention); divides num_heads."""
-    ffn_hidden_size: int = 352
+    ffn_hidden_size: PositiveInt = 352
     """Inner width of the SwiGLU MLP."""
-    max_position_embeddings: int = 256
+    max_position_embeddings: PositiveInt = 256
     """Longest sequence the RoPE tables are built for."""
 
 
@@ -53,15 +62,15 @@ class ModelConfig(Section):
 
 
 class ArithmeticTask(Section):
-    num_operands: int = 3
+    num_operands: PositiveInt = 3
     """Numbers added per problem."""
-    digits: int = 4
+    digits: PositiveInt = 4
     """Digits per operand (zero-padded)."""
-    sft_size: int = 20000
+    sft_size: PositiveInt = 20000
     """Curated chain-of-thought examples for SFT."""
-    prompts_size: int = 2000
+    prompts_size: PositiveInt = 2000
     """Prompts for GRPO and synthetic-data generation."""
-    eval_size: int = 200
+    eval_size: PositiveInt = 200
     """Held-out problems for evaluation after each stage."""
 
 
@@ -79,21 +88,29 @@ class DataConfig(Section):
 
 
 class EvalConfig(Section):
-    num_examples: int = 200
+    num_examples: PositiveInt = 200
     """Held-out examples scored after each stage (greedy decoding)."""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Generation budget per answer."""
-    batch_size: int = 50
+    batch_size: PositiveInt = 50
     """Prompts generated together per rank."""
 
 
 class ParallelConfig(Section):
-    tp: int = 1
+    tp: PositiveInt = 1
     """Tensor-parallel size (megatron-core)."""
-    pp: int = 1
+    pp: PositiveInt = 1
     """Pipeline-parallel size (megatron-core)."""
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage over the data-parallel group."""
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value):
+        # YAML reads `yes`/`on`/`true` as True, which a Literal of ints takes for 1.
+        if isinstance(value, bool):
+            raise ValueError(f"must be 0, 1, 2 or 3, not the boolean {value}")
+        return value
 
 
 class SFTStage(Section):
@@ -101,31 +118,31 @@ class SFTStage(Section):
     """'base' or the id of an earlier stage whose final/ model this stage starts from."""
     data: str = "curated"
     """'curated' (the SFT set of `data`) or the id of a synthesis stage whose dataset to train on."""
-    steps: int = 600
+    steps: PositiveInt = 600
     """Optimizer steps."""
-    global_batch_size: int = 64
+    global_batch_size: PositiveInt = 64
     """Sequences per optimizer step, over all data-parallel ranks."""
-    micro_batch_size: int = 16
+    micro_batch_size: PositiveInt = 16
     """Sequences per forward/backward on one rank (gradient accumulation makes up the rest)."""
-    max_seq_len: int = 96
+    max_seq_len: PositiveInt = 96
     """Longer examples are truncated (the loss mask follows)."""
-    lr: float = 2e-3
+    lr: PositiveFloat = 2e-3
     """Peak learning rate (AdamW)."""
-    min_lr: float = 2e-5
+    min_lr: NonNegativeFloat = 2e-5
     """Learning rate at the last step: cosine decay from lr after warmup."""
-    warmup_steps: int = 20
+    warmup_steps: NonNegativeInt = 20
     """Linear warmup steps."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Global gradient-norm clip (0 disables)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Parameter and compute precision."""
     parallel: ParallelConfig = ParallelConfig()
     """Model and data parallel layout; data-parallel size = nproc / (tp * pp)."""
-    checkpoint_every: int = 100
+    checkpoint_every: PositiveInt = 100
     """Steps between step checkpoints (one is always written at the end)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: PositiveInt = 2
     """Newest step checkpoints kept; older ones are deleted."""
 
     def upstream(self) -> list[str]:
@@ -136,40 +153,40 @@ class SFTStage(Section):
 class GRPOStage(Section):
     init_from: str = "stage1_sft"
     """The earlier stage whose final/ model is both the starting policy and the frozen reference."""
-    steps: int = 40
+    steps: PositiveInt = 40
     """Rollout-and-update iterations."""
-    prompts_per_step: int = 16
+    prompts_per_step: PositiveInt = 16
     """Prompts per rollout batch, over all ranks."""
-    group_size: int = 8
+    group_size: PositiveInt = 8
     """Responses sampled per prompt (GRPO's G); advantages are normalised within each group."""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Generation budget per response."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature of the rollout."""
-    top_p: float = 1.0
+    top_p: Probability = 1.0
     """Nucleus sampling threshold of the rollout."""
-    lr: float = 1e-4
+    lr: PositiveFloat = 1e-4
     """Actor learning rate (AdamW), constant after the warmup."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Iterations of linear learning-rate warmup. Adam's first updates move every weight by about lr
     whatever the noise in the policy gradient, which can undo much of a small model's SFT."""
-    ppo_epochs: int = 1
+    ppo_epochs: PositiveInt = 1
     """Passes over each rollout batch."""
-    mini_batches: int = 2
+    mini_batches: PositiveInt = 2
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
-    clip_ratio: float = 0.2
+    clip_ratio: PositiveFloat = 0.2
     """PPO clip range of the importance ratio."""
-    kl_coef: float = 0.02
+    kl_coef: NonNegativeFloat = 0.02
     """Weight of the KL penalty against the reference model (0 disables the reference)."""
     kl_type: Literal["low_var_kl", "k1", "k2", "k3"] = "low_var_kl"
     """KL estimator (verl's kl_penalty)."""
-    format_reward: float = 0.1
+    format_reward: NonNegativeFloat = 0.1
     """Reward for a well-formed <think>/<answer> response, added to 1.0 for a correct answer."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegativeFloat = 1.0
     """Global gradient-norm clip."""
-    checkpoint_every: int = 10
+    checkpoint_every: PositiveInt = 10
     """Iterations between step checkpoints."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: PositiveInt = 2
     """Newest step checkpoints kept."""
 
     def upstream(self) -> list[str]:
@@ -179,19 +196,19 @@ class GRPOStage(Section):
 class SynthStage(Section):
     init_from: str = "stage2_grpo"
     """The stage whose final/ model generates the data."""
-    num_prompts: int = 2000
+    num_prompts: PositiveInt = 2000
     """Prompts from the prompt set answered (the first N)."""
-    samples_per_prompt: int = 4
+    samples_per_prompt: PositiveInt = 4
     """Responses sampled per prompt."""
-    max_per_prompt: int = 2
+    max_per_prompt: PositiveInt = 2
     """Correct, distinct responses kept per prompt at most."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: Probability = 1.0
     """Nucleus sampling threshold."""
-    max_new_tokens: int = 64
+    max_new_tokens: PositiveInt = 64
     """Generation budget per response."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Prompts a rank generates together; ranks take batches from a shared queue."""
 
     def upstream(self) -> list[str]:
@@ -211,11 +228,11 @@ class WandbConfig(Section):
 
 
 class RunConfig(Section):
-    name: str
+    name: Annotated[str, Field(min_length=1)]
     """Run name; the run directory defaults to runs/<name>."""
-    seed: int = 0
+    seed: NonNegativeInt = 0
     """Seeds data generation, model initialisation, data order and sampling."""
-    nproc: int = 2
+    nproc: PositiveInt = 2
     """Ranks per stage when run locally (torchrun --nproc-per-node)."""
     model: ModelConfig = ModelConfig()
     """The base model."""
@@ -252,9 +269,16 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "<top level>"
-        raise ConfigError(field, f"{err['msg']} (got {err.get('input')!r})"[:300]) from None
+        raise ConfigError(field, f"{err['msg']} (got {_short_repr(err.get('input'))})") from None
     _check_consistency(cfg, Path(path).parent)
     return _with_absolute_paths(cfg, Path(path).parent)
+
+
+def _short_repr(value) -> str:
+    """repr of a bad value, bounded: YAML aliases can make a small file expand to billions of items."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 3, 4, 4, 60, 60
+    return short.repr(value)
 
 
 def _with_absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
@@ -289,6 +313,22 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def _unique_keys_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    """PyYAML keeps the last of two equal keys; a config that sets `lr` twice is a mistake to report."""
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, (str, int, float)):
+            continue  # an unhashable key: construct_mapping reports it
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_keys_mapping)
+
+
 def _load_yaml(text: str):
     return yaml.load(text, Loader=_YamlLoader)
 
@@ -296,12 +336,21 @@ def _load_yaml(text: str):
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(str(path), "config file not found")
+    data = path.read_bytes()
     try:
-        raw = _load_yaml(path.read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}", f"not UTF-8 text (byte {e.start})") from None
+    try:
+        raw = _load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(where, f"not valid YAML ({getattr(e, 'problem', e)})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line, whatever PyYAML says
+        raise ConfigError(where, f"not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(str(path), "not a usable config: nested too deeply") from None
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "the config must be a mapping of sections")
     return raw
@@ -350,7 +399,6 @@ def resolve_path(base: Path, path: str) -> Path:
 
 def _check_consistency(cfg: RunConfig, base: Path) -> None:
     """Checks across fields: layouts that cannot be built, files that are not there, a broken graph."""
-    _positive("nproc", cfg.nproc)
     t = cfg.model.tiny
     if cfg.model.source == "tiny" and t.num_heads % t.num_kv_heads:
         raise ConfigError("model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})")
@@ -376,13 +424,9 @@ def _check_consistency(cfg: RunConfig, base: Path) -> None:
 
 
 def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
-    for name in ("steps", "global_batch_size", "micro_batch_size", "max_seq_len", "lr"):
-        _positive(f"{sid}.{name}", getattr(s, name))
     if s.min_lr > s.lr:
         raise ConfigError(f"{sid}.min_lr", f"{s.min_lr} is above lr ({s.lr})")
     p = s.parallel
-    _positive(f"{sid}.parallel.tp", p.tp)
-    _positive(f"{sid}.parallel.pp", p.pp)
     if cfg.nproc % (p.tp * p.pp):
         raise ConfigError(f"{sid}.parallel", f"tp*pp = {p.tp * p.pp} does not divide nproc ({cfg.nproc})")
     for what in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
@@ -403,10 +447,6 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
 
 
 def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "lr", "ppo_epochs", "mini_batches"):
-        _positive(f"{sid}.{name}", getattr(s, name))
-    if s.warmup_steps < 0:
-        raise ConfigError(f"{sid}.warmup_steps", f"must not be negative (got {s.warmup_steps})")
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
     if s.prompts_per_step % cfg.nproc:
@@ -415,7 +455,3 @@ def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
         raise ConfigError(f"{sid}.mini_batches", f"{s.mini_batches} does not divide the prompts per rank "
                           f"({s.prompts_per_step // cfg.nproc})")
 
-
-def _positive(field: str, value) -> None:
-    if value <= 0:
-        raise ConfigError(field, f"must be positive (got {value})")

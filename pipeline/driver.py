@@ -1,11 +1,12 @@
 """The local driver: walk the stage graph, skip what is done, (re)start the rest.
 
-Resume rules (DESIGN.md): a done stage is never recomputed unless its inputs changed; a running or
-failed stage is started again and its ranks continue from the newest valid step checkpoint.
+Resume rules (DESIGN.md): a done stage is never recomputed unless its inputs changed (then it and
+the stages that read it run again, and the manifest says which input changed); a running or failed
+stage is started again and its ranks continue from the newest valid step checkpoint.
 """
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -14,9 +15,12 @@ from launch.local import run_stage_locally
 from launch.preemption import PREEMPTED_EXIT
 from pipeline.atomic import atomic_write_text, tree_checksums
 from pipeline.config import ConfigError, RunConfig, dump_config
+from pipeline.fingerprint import changed_parts, digest, input_parts
 from pipeline.inputs import load_task, prepare_inputs
 from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
+from pipeline.runlock import hold_run_dir
+from stages.checkpoint import CheckpointDir
 
 
 class StageFailed(RuntimeError):
@@ -28,35 +32,60 @@ class StagePreempted(RuntimeError):
 
 
 def run_pipeline(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] | None = None,
-                 echo=print) -> None:
-    prepare_run(cfg, run, config_dir, only)
-    manifest = Manifest(run.root)
-    for sid in cfg.stages():
-        if not only or sid in only:
-            run_stage(cfg, run, manifest, sid, lambda: run_stage_locally(run.root, sid, cfg.nproc), echo)
+                 echo=print, launcher=run_stage_locally) -> None:
+    """`launcher(run_dir, stage_id, nproc, pass_fds=...)` starts a stage's ranks and returns their
+    exit code: torchrun here; tests of the stage graph's decisions pass a quick stand-in."""
+    task = check_run(cfg, config_dir, only)
+    with hold_run_dir(run.lock, echo) as lock_fd:
+        write_run(cfg, run, task, config_dir)
+        manifest = Manifest(run.root)
+        for sid in cfg.stages():
+            if not only or sid in only:
+                # torchrun holds the lock too: ranks left running by a killed driver keep the run dir taken.
+                launch = functools.partial(launcher, run.root, sid, cfg.nproc, pass_fds=(lock_fd,))
+                run_stage(cfg, run, manifest, sid, launch, echo)
 
 
 def prepare_run(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] | None = None) -> None:
-    """Check --only, read every data file (nothing is written if one is bad), then write the
-    resolved config and the inputs."""
+    write_run(cfg, run, check_run(cfg, config_dir, only), config_dir)
+
+
+def check_run(cfg: RunConfig, config_dir: Path, only: list[str] | None = None) -> dict:
+    """Check --only and read every data file: a bad one is reported before anything is written."""
     unknown = [sid for sid in only or () if sid not in cfg.stages()]
     if unknown:
         raise ConfigError("--only", f"{', '.join(unknown)} not in this config's stages ({', '.join(cfg.stages())})")
-    task = load_task(cfg, config_dir)
+    return load_task(cfg, config_dir)
+
+
+def write_run(cfg: RunConfig, run: RunDir, task: dict, config_dir: Path) -> None:
+    """The resolved config and the inputs, (re)written where they changed."""
     _write_config(cfg, run)
     prepare_inputs(cfg, run, task, config_dir)
 
 
 def stages_to_run(cfg: RunConfig, run: RunDir, manifest: Manifest) -> list[str]:
     """Stages not done with their current inputs, in graph order (a changed stage makes every later
-    one that reads it changed too, through the checksums in the input hash)."""
-    return [sid for sid in cfg.stages() if not _is_current(cfg, run, manifest, sid)]
+    one that reads it changed too, through its output checksums)."""
+    return [sid for sid in cfg.stages() if rerun_reason(cfg, run, manifest, sid) is not None]
 
 
-def _is_current(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> bool:
+def rerun_reason(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> str | None:
+    """None if the stage is done and current; otherwise why it must run."""
     entry = manifest.stage(sid)
-    return (entry["state"] == "done" and entry.get("input_hash") == input_hash(cfg, sid, manifest)
-            and _final_intact(run, sid, entry))
+    if entry["state"] != "done":
+        return f"it is {entry['state']}"
+    changed = changed_parts(entry.get("inputs"), stage_inputs(cfg, run, manifest, sid))
+    if changed:
+        return f"changed since it was done: {', '.join(changed)}"
+    if not _final_intact(run, sid, entry):
+        return "its final/ no longer matches the checksums in the manifest"
+    return None
+
+
+def stage_inputs(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> dict[str, str]:
+    upstream = {src: manifest.stage(src).get("checksums") for src in getattr(cfg, sid).upstream()}
+    return input_parts(cfg, run, sid, upstream)
 
 
 def _write_config(cfg: RunConfig, run: RunDir) -> None:
@@ -72,18 +101,40 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
     for src in getattr(cfg, sid).upstream():
         if manifest.stage(src)["state"] != "done":
             raise StageFailed(f"{sid} starts from {src}, which is not done: run it first")
-    if _is_current(cfg, run, manifest, sid):
+    reason = rerun_reason(cfg, run, manifest, sid)
+    if reason is None:
         echo(f"{sid}: done (accuracy {entry.get('eval', {}).get('accuracy')}), skipped")
         return
-    digest = input_hash(cfg, sid, manifest)
-    if entry.get("input_hash") not in (None, digest):
-        # Checkpoints of other inputs must not be resumed from.
+    parts = stage_inputs(cfg, run, manifest, sid)
+    changed = changed_parts(entry.get("inputs"), parts) if entry["attempts"] else []
+    if changed:
+        # Checkpoints and outputs of other inputs must not be resumed from.
         shutil.rmtree(run.stage(sid), ignore_errors=True)
-        manifest.update(sid, rerun_reason="its config or input changed since the last attempt")
+        reason = f"changed since the last attempt: {', '.join(changed)}"
+    if changed or entry["state"] == "done":
+        manifest.update(sid, rerun_reason=reason)
+        echo(f"{sid}: running again, {reason}")
     manifest.start_attempt(sid)
-    manifest.update(sid, input_hash=digest)
+    manifest.update(sid, inputs=parts, input_hash=digest(parts))
+    _report_resume_point(cfg, run, manifest, sid, echo)
     echo(f"{sid}: starting (attempt {manifest.stage(sid)['attempts']}, {cfg.nproc} ranks)")
     rc = launch()
+    manifest.update(sid, checkpoints=CheckpointDir(run.ckpt(sid), keep=1).digests())
+    _record_outcome(run, manifest, sid, rc, echo)
+
+
+def _report_resume_point(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, echo) -> None:
+    """Say which checkpoint the ranks will continue from, and which newer ones they will skip as
+    corrupt (rank 0 verifies again: the decision is theirs, this is the report)."""
+    step, skipped = CheckpointDir(run.ckpt(sid), keep=1).survey()
+    for name, problem in skipped.items():
+        echo(f"{sid}: warning: checkpoint {name} is unusable ({problem}); it is skipped")
+    if step is not None:
+        echo(f"{sid}: resuming from step {step}")
+    manifest.update(sid, resume_from=step, skipped_checkpoints=skipped)
+
+
+def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) -> None:
     if rc == PREEMPTED_EXIT:
         manifest.update(sid, state="pending", preempted=manifest.stage(sid).get("preempted", 0) + 1)
         raise StagePreempted(f"{sid} checkpointed and stopped on a signal; run it again to continue")
@@ -102,16 +153,6 @@ def _outcome(evaluation: dict) -> str:
     if "kept" in evaluation:
         return f"kept {evaluation['kept']} of {evaluation['n']} sampled answers (acceptance {evaluation['accuracy']:.3f})"
     return f"held-out accuracy {evaluation['accuracy']:.3f} (n={evaluation['n']})"
-
-
-def input_hash(cfg: RunConfig, sid: str, manifest: Manifest) -> str:
-    """What the stage's result depends on: its own section, the shared sections, and the outputs
-    (checksums) of the stages it reads from."""
-    stage = getattr(cfg, sid)
-    upstream = {src: manifest.stage(src).get("checksums") for src in stage.upstream()}
-    payload = {"stage": stage.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
-               "data": cfg.data.model_dump(mode="json"), "seed": cfg.seed, "nproc": cfg.nproc, "upstream": upstream}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _final_intact(run: RunDir, sid: str, entry: dict) -> bool:

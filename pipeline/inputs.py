@@ -5,9 +5,11 @@ is written; `prepare_inputs` then writes them into the run directory once.
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+from pipeline.atomic import atomic_write_text
 from pipeline.config import RunConfig, resolve_path
 from pipeline.rundir import RunDir
 from stages.data.arithmetic import generate_arithmetic
@@ -30,19 +32,32 @@ def load_task(cfg: RunConfig, config_dir: Path) -> dict[str, list[Example]]:
 
 
 def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], config_dir: Path) -> None:
+    """Write the data and the base model where they are missing or differ from what the config
+    asks for now (an edited data file, another model): the stages that read them then rerun."""
     for split in SPLITS:
-        if not run.task_file(split).exists():
-            write_examples(run.task_file(split), task[split])
-    if run.base_model.exists():
+        path = run.task_file(split)
+        if not path.exists() or read_examples(path) != task[split]:
+            write_examples(path, task[split])
+    spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.seed}, sort_keys=True)
+    if run.base_model.exists() and run.base_model_spec.is_file() and run.base_model_spec.read_text() == spec:
         return
     run.inputs.mkdir(parents=True, exist_ok=True)
-    if cfg.model.source == "hf":
-        run.base_model.symlink_to(resolve_path(config_dir, cfg.model.path).resolve())
-        return
     tmp = run.inputs / ".model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    _build_tiny_model(cfg, tmp)
+    _remove(tmp)
+    if cfg.model.source == "hf":
+        tmp.symlink_to(resolve_path(config_dir, cfg.model.path).resolve())
+    else:
+        _build_tiny_model(cfg, tmp)
+    _remove(run.base_model)
     tmp.rename(run.base_model)
+    atomic_write_text(run.base_model_spec, spec)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def _build_tiny_model(cfg: RunConfig, out_dir: Path) -> None:

@@ -14,6 +14,11 @@ class RunDir:
         return self.root / "config.yaml"
 
     @property
+    def lock(self) -> Path:
+        """Held (flock) by the one `hpcr1 run`/`resume` working on this directory; names it."""
+        return self.root / "run.lock"
+
+    @property
     def inputs(self) -> Path:
         """The base model (with its tokenizer) and the task's data, prepared once per run."""
         return self.root / "inputs"
@@ -21,6 +26,11 @@ class RunDir:
     @property
     def base_model(self) -> Path:
         return self.inputs / "model"
+
+    @property
+    def base_model_spec(self) -> Path:
+        """The model section (and seed) inputs/model was made from: another one remakes it."""
+        return self.inputs / "model.json"
 
     def task_file(self, split: str) -> Path:
         """split: sft, prompts or eval."""

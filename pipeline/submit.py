@@ -15,9 +15,10 @@ from launch.sbatch import render_stage_script, sbatch_command
 from launch.slurm_launch import requeue_self, run_stage_in_allocation
 from pipeline.atomic import atomic_write_text
 from pipeline.config import ConfigError, RunConfig, load_resolved
-from pipeline.driver import StagePreempted, prepare_run, run_stage, stages_to_run
+from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
+from pipeline.runlock import hold_run_dir
 
 
 def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
@@ -29,7 +30,14 @@ def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfil
     if world != cfg.nproc:
         raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
                           f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
-    prepare_run(cfg, run, config_dir)
+    task = check_run(cfg, config_dir)
+    with hold_run_dir(run.lock, echo):
+        write_run(cfg, run, task, config_dir)
+        return _submit_stages(cfg, run, profile, nodes, dry_run, echo)
+
+
+def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: int, dry_run: bool,
+                   echo) -> dict[str, str]:
     manifest = Manifest(run.root)
     submitted: dict[str, str] = {}
     previous = None

@@ -18,8 +18,8 @@ from stages.eval import evaluate_model_dir
 
 
 def save_checkpoint(engine, ckpts: CheckpointDir, step: int) -> None:
-    with phase("checkpoint"):
-        engine.save(ckpts.staging(step), {"step": step})
+    with phase("checkpoint"), ckpts.writing(step) as staging:
+        engine.save(staging, {"step": step})
         if dist.get_rank() == 0:
             ckpts.seal(step)
         dist.barrier()
@@ -40,6 +40,10 @@ def finish(ctx: StageContext, engine, init_dir) -> None:
     """Export final/ (written aside and renamed, so a half-written final/ never exists) and score it."""
     final = ctx.run.final(ctx.stage_id)
     staging = final.with_name("final.tmp")
+    if ctx.is_main:
+        # Left by an attempt that died while exporting: its files must not mix with these.
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
     engine.export_hf(staging, tokenizer_dir=init_dir)
     if ctx.is_main:
         if final.exists():

@@ -26,6 +26,19 @@ def hpcr1_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
 
 
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root with its content's sha256 (directories and links marked as such):
+    equal snapshots mean nothing was added, removed or changed."""
+    from pipeline.atomic import file_sha256
+
+    def state(p: Path) -> str:
+        if p.is_symlink():
+            return f"link -> {os.readlink(p)}"
+        return "dir" if p.is_dir() else file_sha256(p)
+
+    return {str(p.relative_to(root)): state(p) for p in sorted(root.rglob("*"))}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,6 +8,7 @@ A malformed row is a `DataError` naming the file and the 1-based line (Parquet: 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -83,7 +84,13 @@ def _jsonl_rows(path: Path):
 
 def _parse_json(path: Path, line_no: int, text: str):
     try:
-        return json.loads(text)
+        row = json.loads(text)
+        if "\\ud" in text.lower():
+            # "\ud800" decodes to an unpaired surrogate: a str that cannot be written back as UTF-8.
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        return row
+    except UnicodeEncodeError:
+        raise DataError(path, line_no, "a \\u escape encodes an unpaired surrogate, which is not text") from None
     except json.JSONDecodeError as e:
         hint = " (pretty-printed JSON? one object a line is expected)" if text.strip() in ("[", "{") else ""
         raise DataError(path, line_no, f"invalid JSON: {e.msg} at column {e.colno}{hint}") from None
@@ -132,6 +139,8 @@ def _check_types(path: Path, line: int, row: dict) -> None:
         value = row.get(key, "")
         if isinstance(value, bool) or not isinstance(value, (str, int, float)):
             raise DataError(path, line, f"field {key!r} must be a string or a number, got {_kind(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(path, line, f"field {key!r} is {value}, not a usable value")
 
 
 def _required(path: Path, line: int, row: dict, key: str) -> str:

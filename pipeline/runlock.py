@@ -1,0 +1,75 @@
+"""One `hpcr1 run`/`resume` at a time on a run directory.
+
+An flock on <run>/run.lock, held while the driver lives and by the torchrun it starts (the lock's
+file descriptor is passed on), so the kernel releases it however they end, kill -9 included; a
+lock left by processes that are gone is free again and simply taken over. The file names the
+holder (pid, host, command, start) for the refusal message and is emptied on a clean release, so
+finding it non-empty on taking it means the last holder died holding it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+class RunDirBusy(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def hold_run_dir(path: Path, echo=print):
+    """Takes the lock file `path` (RunDir.lock) or raises RunDirBusy naming its holder; yields the
+    lock's file descriptor, for child processes that must hold it too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _acquire(fd, path, echo)
+        previous = _read(fd)
+        if previous:
+            echo(f"hpcr1: note: {path} was left by {_describe(previous)}, which is no longer running; taking it over")
+        _write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        try:
+            yield fd
+        finally:
+            _write(fd, "")  # any end the driver sees is a clean release; only a kill leaves the name
+    finally:
+        os.close(fd)  # releases the flock unless a child still holds the descriptor
+
+
+def _acquire(fd: int, path: Path, echo) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read(fd)
+        who = _describe(holder) if holder else "another process (it has not written its name yet)"
+        raise RunDirBusy(f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
+                         f"wait for it to end or stop it, then run again") from None
+    except OSError as e:
+        # Some parallel file systems are mounted without lock support: run, but say what is lost.
+        echo(f"hpcr1: warning: cannot lock {path} ({e.strerror}); a second run on this directory "
+             f"would not be refused")
+
+
+def _describe(holder: str) -> str:
+    try:
+        h = json.loads(holder)
+        return f"pid {h['pid']} on {h['host']} (`{h['command']}`, since {h['since']})"
+    except (ValueError, KeyError, TypeError):
+        return f"an unknown process ({holder[:100]!r})"
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip()
+
+
+def _write(fd: int, text: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, text.encode(), 0)
+    os.fsync(fd)

@@ -1,0 +1,85 @@
+"""Checkpoint integrity: retention counts only checkpoints that verify, and a write into a full
+disk (a real, small tmpfs) fails with one clear error and leaves the previous checkpoint usable."""
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.atomic import atomic_write_text
+from stages.checkpoint import CheckpointDir, CheckpointWriteError, step_name
+
+
+def _save(ckpts: CheckpointDir, step: int, numel: int) -> None:
+    """What an engine does: torch.save its state into the staging directory, then rank 0 seals."""
+    with ckpts.writing(step) as staging:
+        staging.mkdir(parents=True, exist_ok=True)
+        torch.save({"weight": torch.arange(numel, dtype=torch.float32)}, staging / "model.pt")
+        ckpts.seal(step)
+
+
+def _corrupt(root: Path, step: int) -> None:
+    path = root / step_name(step) / "model.pt"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a truncated write
+
+
+def test_retention_keeps_the_newest_k_valid_checkpoints(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep=2)
+    _save(ckpts, 1, 10)
+    _save(ckpts, 2, 10)
+    _corrupt(tmp_path, 2)
+    # A fresh process (a resumed attempt) has verified nothing yet: it must find step 2 corrupt.
+    resumed = CheckpointDir(tmp_path, keep=2)
+    assert resumed.survey() == (1, {"step-000002": "checksum mismatch in model.pt"})
+    _save(resumed, 3, 10)
+    # Counting by name would keep 2 and 3 and delete the only good older one, 1.
+    assert resumed.sealed_steps() == [1, 3]
+    _save(resumed, 4, 10)
+    assert resumed.sealed_steps() == [3, 4]
+
+
+def test_digests_pin_each_sealed_checkpoint(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep=3)
+    _save(ckpts, 1, 10)
+    _save(ckpts, 2, 20)
+    digests = ckpts.digests()
+    assert sorted(digests) == ["step-000001", "step-000002"] and digests["step-000001"] != digests["step-000002"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real file system that runs out of space."""
+    mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(small_disk):
+    ckpts = CheckpointDir(small_disk / "ckpt", keep=2)
+    _save(ckpts, 5, 1_000)  # ~4 KB
+    with pytest.raises(CheckpointWriteError) as failure:
+        _save(ckpts, 10, 1_000_000)  # ~4 MB into 1 MiB
+    message = str(failure.value)
+    assert "no space left on device" in message and "step-000010" in message, message
+    assert "step-000005 is still there" in message, message
+    assert list(ckpts.root.iterdir()) == [ckpts.root / "step-000005"], "the partial write must be gone"
+    assert CheckpointDir(ckpts.root, keep=2).survey() == (5, {})
+    _save(ckpts, 10, 1_000)  # the space came back: the next (smaller) save works
+    assert ckpts.sealed_steps() == [5, 10]
+
+
+def test_full_disk_leaves_the_old_file_and_no_partial_sibling(small_disk):
+    target = small_disk / "manifest.json"
+    atomic_write_text(target, "old\n")
+    with pytest.raises(OSError):
+        atomic_write_text(target, "x" * 2_000_000)
+    assert target.read_text() == "old\n" and [p.name for p in small_disk.iterdir()] == ["manifest.json"]
