@@ -150,3 +150,22 @@ def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_erro
     image = Image.open(shot).convert("L")
     low, high = image.getextrema()
     assert image.size[0] > 0 and high - low > 100, "screenshot is blank"
+
+
+@pytest.mark.parametrize("command", ["report", "commbench"])
+def test_hpcr1_hands_options_to_the_commands_own_parser(command, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: hpcr1 {command} ")
+
+
+def test_hpcr1_report_on_a_missing_directory_is_bad_input(tmp_path, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--out", str(tmp_path / "out"), str(tmp_path / "missing")])
+    assert done.value.code == 2 and "not a run directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
