@@ -118,7 +118,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (compared when several)")
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="run directories (compared when several)")
     parser.add_argument("--out", type=Path, help="default: <first run>/report")
     parser.add_argument("--commbench", type=Path, help="a commbench JSON to draw as achievable bandwidth")
     args = parser.parse_args(argv)
