@@ -172,3 +172,16 @@ def test_hpcr1_report_on_a_missing_directory_is_bad_input(tmp_path, capsys):
         main(["report", "--out", str(tmp_path / "out"), str(tmp_path / "missing")])
     assert done.value.code == 2 and "not a run directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path):
+    for site in ("site-a", "site-b"):
+        write_stage(tmp_path / site / "runs" / "tiny-cpu", "stage2_grpo", ["rollout", "policy_update"])
+    out = tmp_path / "report"
+    write_report([tmp_path / "site-a" / "runs" / "tiny-cpu", tmp_path / "site-b" / "runs" / "tiny-cpu"], out)
+    md = (out / "report.md").read_text()
+    assert "## Run site-a/runs/tiny-cpu\n" in md and "## Run site-b/runs/tiny-cpu\n" in md
+    comparison = markdown_table(md, "Comparison across runs")
+    assert [row[0] for row in comparison[1:]] == ["site-a/runs/tiny-cpu", "site-b/runs/tiny-cpu"]
+    assert {"site-a_runs_tiny-cpu-stage2_grpo-phases.png", "site-b_runs_tiny-cpu-stage2_grpo-phases.png"} <= {
+        p.name for p in out.glob("*.png")}
