@@ -56,6 +56,16 @@ def test_report_shows_every_phase_of_the_grpo_step_with_its_wall_time(grpo_repor
     assert all(wall[p] > 0 for p in PHASES), wall
 
 
+def test_weight_sync_gathers_block_the_rank_so_they_count_as_exposed_communication(grpo_report):
+    _, md = grpo_report
+    split = markdown_table(md, "Time by phase (rank 0): compute and exposed communication")
+    exposed = {row[0]: float(row[2]) for row in split[1:]}
+    header, *rows = markdown_table(md, "Communication time by phase and operation (ms per rank)")
+    gather_ms = float(next(row for row in rows if row[0] == "weight_sync")[header.index("all_gather")])
+    # full_tensor() waits for each gather as soon as it is issued: little of it can hide behind compute
+    assert gather_ms > 0 and exposed["weight_sync"] >= 0.25 * gather_ms, (exposed["weight_sync"], gather_ms)
+
+
 def test_report_compares_policy_update_and_both_log_prob_phases_side_by_side(grpo_report):
     _, md = grpo_report
     header, *rows = markdown_table(md, "GRPO phases side by side: communication per rank over the stage")
