@@ -125,19 +125,27 @@ def timed_block(step, steps: int, after=lambda: None) -> tuple[float, float]:
 
 def measure(step, blocks: int, steps: int, out_dir: Path, rank: int) -> dict[str, tuple[float, float]]:
     """{"wall"|"cpu": (median seconds a step off, on)}. The on side includes writing the events."""
-    from launch.comm_profiler import CommProfiler
-    from launch.phases import phase
-
     off, on = [], []
     timed_block(step, steps)  # warm-up
     for block in range(blocks):
-        off.append(timed_block(step, steps))
-        with CommProfiler(out_dir, "bench", rank) as prof:
-            prof.set_step(block)
-            with phase("bench"):
-                on.append(timed_block(step, steps, after=prof.flush))
+        # Which side runs first alternates, so that whatever favours a place in the pair hits both.
+        for profiled in (False, True) if block % 2 == 0 else (True, False):
+            if profiled:
+                on.append(profiled_block(step, steps, out_dir, rank, block))
+            else:
+                off.append(timed_block(step, steps))
     return {kind: (statistics.median(b[i] for b in off), statistics.median(b[i] for b in on))
             for i, kind in enumerate(("wall", "cpu"))}
+
+
+def profiled_block(step, steps: int, out_dir: Path, rank: int, block: int) -> tuple[float, float]:
+    from launch.comm_profiler import CommProfiler
+    from launch.phases import phase
+
+    with CommProfiler(out_dir, "bench", rank) as prof:
+        prof.set_step(block)
+        with phase("bench"):
+            return timed_block(step, steps, after=prof.flush)
 
 
 def rank_main(args) -> None:
