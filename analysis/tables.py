@@ -43,8 +43,8 @@ def stage_tables(s: StageSummary) -> list[Table]:
     ops = sorted({op for per in phase_ops.values() for op in per})
 
     def by_phase(title: str, cell) -> Table:
-        return Table(title, ["phase", *ops], [[p, *(cell(phase_ops[p][op]) if op in phase_ops[p] else cell(Volume())
-                                                      for op in ops)] for p in sorted(phase_ops)])
+        return Table(title, ["phase", *ops],
+                     [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)])
 
     tables = [
         Table("Time by phase (rank 0): compute and exposed communication",

@@ -157,7 +157,7 @@ def rank_main(args) -> None:
     blocks, steps = block_shape(args)
     with tempfile.TemporaryDirectory() as tmp:
         times = measure(step, blocks, steps, Path(tmp), rank)
-        recorded = sum(1 for _ in open(Path(tmp) / f"rank-{rank:05d}.jsonl"))
+        recorded = len((Path(tmp) / f"rank-{rank:05d}.jsonl").read_text().splitlines())
     if rank == 0:
         print(f"{blocks} blocks of {steps} steps each side; {recorded / (blocks * steps):.0f} calls recorded a step "
               f"on rank 0; load average {os.getloadavg()[0]:.2f}")
