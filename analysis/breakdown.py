@@ -28,6 +28,22 @@ def duration(e: dict) -> float:
 
 
 @dataclass
+class Volume:
+    """Communication of one (phase, op) cell: calls, bytes S (nccl-tests' sense) and seconds."""
+    calls: float = 0
+    bytes: float = 0
+    seconds: float = 0.0
+
+    def add(self, e: dict) -> None:
+        self.calls += 1
+        self.bytes += e["bytes"]
+        self.seconds += duration(e)
+
+    def per_rank(self, ranks: int) -> Volume:
+        return Volume(self.calls / ranks, self.bytes / ranks, self.seconds / ranks)
+
+
+@dataclass
 class StageSummary:
     name: str
     events: list[dict]
@@ -74,10 +90,22 @@ class StageSummary:
 
     def by_phase_op(self) -> dict[str, dict[str, float]]:
         """phase -> op -> seconds per rank (full nested phase names)."""
-        table: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        return {p: {op: v.seconds for op, v in ops.items()} for p, ops in self.volume_by_phase_op().items()}
+
+    def volume_by_phase_op(self, phase_of=lambda name: name) -> dict[str, dict[str, Volume]]:
+        """phase -> op -> calls, bytes and seconds per rank; `phase_of` maps a recorded phase to the
+        row it counts in (e.g. `top_phase`, so that nested phases add up in their parent)."""
+        table: dict[str, dict[str, Volume]] = defaultdict(lambda: defaultdict(Volume))
         for e in self.events:
-            table[e["phase"]][e["op"]] += self.per_rank_mean(duration(e))
-        return {p: dict(ops) for p, ops in table.items()}
+            table[phase_of(e["phase"])][e["op"]].add(e)
+        per_rank = max(1, len(self.ranks))
+        return {p: {op: v.per_rank(per_rank) for op, v in ops.items()} for p, ops in table.items()}
+
+    def grpo_panels(self) -> dict[str, dict[str, Volume]]:
+        """GRPO's three phases compared side by side (policy update, policy and reference log-probs):
+        panel -> op -> volume per rank, nested phases counted in their panel; a panel without calls is {}."""
+        table = self.volume_by_phase_op(top_phase)
+        return {panel: table.get(panel, {}) for panel in GRPO_PANELS}
 
     def phase_split(self) -> list[tuple[str, float, float, float]]:
         """(top-level phase, wall s, communication s not overlapped, compute s) on rank 0.

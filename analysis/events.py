@@ -24,6 +24,7 @@ def load_events(stage_dir: Path) -> list[dict]:
         for e in read_jsonl(path):
             e["t_end"] = e["t_start"] if e["t_end"] is None else e["t_end"]
             e.setdefault("async_op", False)
+            e.setdefault("t_wait", None)  # profiles written before the field existed
             events.append(e)
     return events
 

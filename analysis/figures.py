@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.breakdown import GRPO_PANELS, StageSummary, top_phase  # noqa: E402
+from analysis.breakdown import StageSummary  # noqa: E402
 
 
 def save(fig, path: Path) -> Path:
@@ -49,12 +49,12 @@ def comm_by_phase_op(s: StageSummary, path: Path, phases: list[str] | None = Non
 
 def grpo_panels(s: StageSummary, path: Path) -> Path:
     """Policy update, policy log-probs and reference log-probs side by side, on one scale."""
-    table = s.by_phase_op()
+    panels = s.grpo_panels()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
-    ops = sorted({op for p, per in table.items() if top_phase(p) in GRPO_PANELS for op in per})
-    for ax, panel in zip(axes, GRPO_PANELS):
-        per = {op: sum(t.get(op, 0.0) for p, t in table.items() if top_phase(p) == panel) for op in ops}
-        ax.bar(ops, [per[op] * 1e3 for op in ops], color=[f"C{i}" for i in range(len(ops))])
+    ops = sorted({op for per in panels.values() for op in per})
+    for ax, (panel, per) in zip(axes, panels.items()):
+        ax.bar(ops, [per[op].seconds * 1e3 if op in per else 0.0 for op in ops],
+               color=[f"C{i}" for i in range(len(ops))])
         ax.set_title(panel)
         ax.tick_params(axis="x", rotation=45, labelsize=7)
     axes[0].set_ylabel("communication ms per rank")

@@ -2,8 +2,9 @@
 
 A synchronous call blocks its caller: its time overlaps nothing (0 by definition). An async call
 (async_op: DDP's bucketed all-reduce, FSDP2's all-gather/reduce-scatter, functional collectives)
-runs while the caller goes on; the part of its interval not covered by the rank's synchronous calls
-is counted as overlapped. This is an upper bound: the caller may have been idle, not computing.
+runs while the caller goes on; the part of its interval not covered by the rank's synchronous calls,
+nor by the rank's own wait for it (t_wait to t_end, where the profiler saw the wait), is counted as
+overlapped. This is an upper bound: the caller may have been idle, not computing.
 overlap fraction = overlapped seconds / seconds in the union of all the rank's comm intervals.
 """
 from __future__ import annotations
@@ -40,5 +41,6 @@ def overlap_fraction(rank_events: list[dict]) -> float:
     if total == 0:
         return 0.0
     blocked = [(e["t_start"], e["t_end"]) for e in rank_events if not e["async_op"]]
+    blocked += [(e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None]
     free = [(e["t_start"], e["t_end"]) for e in rank_events if e["async_op"]]
     return subtract(free, blocked) / total

@@ -85,19 +85,28 @@ def transport_note(doc: Document, stage_dir: Path) -> None:
         doc.paragraph("WARNING: " + found.warning)
 
 
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name, with as many parent folders as it takes to tell apart distinct
+    runs of the same name (/a/runs/tiny-cpu, /b/runs/tiny-cpu -> a/runs/tiny-cpu, b/runs/tiny-cpu)."""
+    depth = 1
+    while len({"/".join(r.parts[-depth:]) for r in run_dirs}) < len(run_dirs):
+        depth += 1
+    return ["/".join(r.parts[-depth:]) for r in run_dirs]
+
+
 def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = None) -> Path:
     """Write index.html, report.md and the PNGs into out_dir; returns the HTML's path."""
-    run_dirs = [Path(r) for r in run_dirs]
+    run_dirs = list(dict.fromkeys(Path(r).resolve() for r in run_dirs))  # a directory given twice counts once
     out_dir.mkdir(parents=True, exist_ok=True)
     commbench = commbench or find_commbench(run_dirs)
-    dirs = {run.name: stage_dirs(run) for run in run_dirs}
+    dirs = {label: stage_dirs(run) for label, run in zip(run_labels(run_dirs), run_dirs)}
     runs = {name: [summarise_stage(d) for d in stages] for name, stages in dirs.items()}
     doc = Document("Communication report: " + ", ".join(runs))
     doc.paragraph("Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
                   "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
                   "(see analysis/overlap.py).")
     for run, stages in runs.items():
-        prefix = f"{run}-" if len(runs) > 1 else ""
+        prefix = f"{run.replace('/', '_')}-" if len(runs) > 1 else ""
         doc.heading(f"Run {run}")
         if stages:
             doc.table(cross_stage_table(stages))
@@ -118,7 +127,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
-    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
+                        help="run directories (compared when several)")
     parser.add_argument("--out", type=Path, help="default: <first run>/report")
     parser.add_argument("--commbench", type=Path, help="a commbench JSON to draw as achievable bandwidth")
     args = parser.parse_args(argv)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from analysis.breakdown import StageSummary
+from analysis.breakdown import StageSummary, Volume
 
 
 @dataclass
@@ -39,17 +39,22 @@ def ms(seconds: float) -> str:
 
 
 def stage_tables(s: StageSummary) -> list[Table]:
-    phase_ops = s.by_phase_op()
+    phase_ops = s.volume_by_phase_op()
     ops = sorted({op for per in phase_ops.values() for op in per})
-    return [
+
+    def by_phase(title: str, cell) -> Table:
+        return Table(title, ["phase", *ops],
+                     [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)])
+
+    tables = [
         Table("Time by phase (rank 0): compute and exposed communication",
               ["phase", "wall ms", "exposed comm ms", "compute ms"],
               [[p, ms(w), ms(c), ms(k)] for p, w, c, k in s.phase_split()]),
         Table("Communication by operation (per rank)",
               ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
               [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()]),
-        Table("Communication time by phase and operation (ms per rank)", ["phase", *ops],
-              [[p, *(ms(phase_ops[p].get(op, 0.0)) for op in ops)] for p in sorted(phase_ops)]),
+        by_phase("Communication time by phase and operation (ms per rank)", lambda v: ms(v.seconds)),
+        by_phase("Communication bytes by phase and operation (per rank)", lambda v: size(v.bytes)),
         Table("Per rank: communication, waiting for stragglers, overlap",
               ["rank", "comm ms", "wait ms", "times slowest", "overlap"],
               [[str(r), ms(c), ms(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()]),
@@ -58,6 +63,22 @@ def stage_tables(s: StageSummary) -> list[Table]:
               [[op, ph, str(st), size(b), str(n), ms(t), ms(tr), str(slow), ms(w)]
                for op, ph, st, b, n, t, tr, slow, w in s.top_calls()]),
     ]
+    if s.has_grpo_panels():
+        tables.insert(1, grpo_panel_table(s))
+    return tables
+
+
+def grpo_panel_table(s: StageSummary) -> Table:
+    """The three GRPO phases side by side, the numbers of the three-panel figure."""
+    panels = s.grpo_panels()
+    ops = sorted({op for per in panels.values() for op in per})
+    header = ["op", *(f"{panel} {unit}" for panel in panels for unit in ("calls", "bytes", "ms"))]
+    rows = [[op, *(cell for per in panels.values() for cell in volume_cells(per.get(op, Volume())))] for op in ops]
+    return Table("GRPO phases side by side: communication per rank over the stage", header, rows)
+
+
+def volume_cells(v: Volume) -> list[str]:
+    return [f"{v.calls:g}", size(v.bytes), ms(v.seconds)]
 
 
 def cross_stage_table(stages: list[StageSummary]) -> Table:

@@ -37,9 +37,12 @@ import torch.distributed as dist
 from launch.phases import current_phase
 
 # DESIGN.md's schema, plus async_op: whether the caller went on working while the call ran (the only
-# calls whose time can overlap compute; analysis/overlap.py).
+# calls whose time can overlap compute; analysis/overlap.py), and t_wait: when the caller began waiting
+# for an async call's result, where that is seen (functional collectives' wait_tensor), else null;
+# from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once).
 FIELDS = ("stage", "step", "phase", "rank", "op", "bytes", "dtype", "group_size", "group_ranks", "peer", "seq",
-          "t_start", "t_end", "backend", "source", "async_op")
+          "t_start", "t_end", "backend", "source", "async_op", "t_wait")
+T_WAIT = FIELDS.index("t_wait")
 DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 
 _active: CommProfiler | None = None
@@ -203,7 +206,7 @@ class CommProfiler:
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
         event = [self.stage, self.step, current_phase(), self.rank, op, nbytes_, dtype, len(group_ranks),
-                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op]
+                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op, None]
         self.events.append(event)
         return event
 
@@ -240,8 +243,10 @@ class CommProfiler:
         if name == "wait_tensor":
             def wait(tensor):
                 with torch._C._AutoDispatchBelowAutograd():
-                    out = op(tensor)
                     event = self._pending_functional.pop(tensor.data_ptr(), None)
+                    if event is not None:
+                        event[T_WAIT] = time.time()
+                    out = op(tensor)
                     if event is not None:
                         event[12] = time.time()
                     return out

@@ -10,20 +10,24 @@ import sys
 from pathlib import Path
 
 
+# Commands whose own parser lives with their module: everything after the name is theirs (`--help`
+# included), which argparse's REMAINDER cannot pass on when it starts with an option.
+DELEGATED = {"report": "analysis.report", "commbench": "analysis.commbench"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    # Overrides may follow options (`run CFG --run-dir D a.b=1`): leftovers are overrides where taken.
-    args, leftover = parser.parse_known_args(argv)
-    if leftover and not hasattr(args, "overrides"):
-        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
-    if leftover:
-        args.overrides = [*args.overrides, *leftover]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        command = lambda: _delegate(DELEGATED[argv[0]], argv[1:])  # noqa: E731
+    else:
+        args = _parse(argv)
+        command = lambda: args.func(args) or 0  # noqa: E731
     from pipeline.config import ConfigError
     from pipeline.runlock import RunDirBusy
     from stages.data.examples import DataError
 
     try:
-        return args.func(args) or 0
+        return command()
     except (ConfigError, DataError) as e:
         print(f"hpcr1: error: {e}", file=sys.stderr)
         return 2
@@ -33,6 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hpcr1: interrupted; `hpcr1 run` again resumes from the last checkpoint", file=sys.stderr)
         return 130
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    # Overrides may follow options (`run CFG --run-dir D a.b=1`): leftovers are overrides where taken.
+    args, leftover = parser.parse_known_args(argv)
+    if leftover and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    if leftover:
+        args.overrides = [*args.overrides, *leftover]
+    return args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,13 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
 
-    rp = sub.add_parser("report", help="communication and phase breakdown of run directories", add_help=False)
-    rp.add_argument("rest", nargs=argparse.REMAINDER)
-    rp.set_defaults(func=lambda args: _delegate("analysis.report", args.rest))
-
-    cb = sub.add_parser("commbench", help="collective bandwidth sweep (torch.distributed or MPI)", add_help=False)
-    cb.add_argument("rest", nargs=argparse.REMAINDER)
-    cb.set_defaults(func=lambda args: _delegate("analysis.commbench", args.rest))
+    # Listed for `hpcr1 --help`; main() hands them their arguments before this parser runs.
+    sub.add_parser("report", help="communication and phase breakdown of run directories", add_help=False)
+    sub.add_parser("commbench", help="collective bandwidth sweep (torch.distributed or MPI)", add_help=False)
 
     ev = sub.add_parser("eval", help="held-out accuracy of a Hugging Face model directory")
     ev.add_argument("model_dir")

@@ -1,4 +1,5 @@
-"""Shared test fixtures: launching real ranks with torchrun, and the repository's paths."""
+"""Shared test fixtures: launching real ranks with torchrun, the repository's paths, and reading
+the report's Markdown tables back."""
 from __future__ import annotations
 
 import os
@@ -55,6 +56,26 @@ def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 60
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Every Markdown table in `text` as rows of cells, header first (the |---| rule left out)."""
+    tables, current = [], None
+    for line in text.splitlines():
+        if line.startswith("|"):
+            if current is None:
+                current = []
+                tables.append(current)
+            if not line.startswith("|---"):
+                current.append([c.strip() for c in line.strip("|").split("|")])
+        else:
+            current = None
+    return tables
+
+
+def markdown_table(text: str, title: str) -> list[list[str]]:
+    """The rows (header first) of the Markdown table under `#### title`."""
+    return markdown_tables(text.split(f"#### {title}\n", 1)[1])[0]
 
 
 @pytest.fixture

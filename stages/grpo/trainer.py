@@ -55,6 +55,14 @@ def train_step(roles: Roles, prompts, seed: int, iteration: int) -> dict[str, fl
     return learn_from(roles, batch, iteration)
 
 
+def train_step_at(roles: Roles, schedule: PromptSchedule, stage, seed: int, step: int) -> dict[str, float]:
+    """Step `step` (0-based) of the stage: this rank's share of the step's prompts, sampled from the
+    seed stream of (seed, step, rank), so that a resumed run repeats it exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prompts = rank_share(schedule.global_batch(step), rank, world, stage.mini_batches)
+    return train_step(roles, prompts, sampling_seed(seed, step, rank), step + 1)
+
+
 def learn_from(roles: Roles, batch: DataProto, iteration: int) -> dict[str, float]:
     """Everything after the rollout: score, log-probs, advantages, update."""
     with phase("reward"):
@@ -88,7 +96,6 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
 
 def run(ctx: StageContext) -> None:
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
-    rank, world = dist.get_rank(), dist.get_world_size()
     init_dir = run.model_dir(stage.init_from)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     schedule = PromptSchedule(read_examples(run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
@@ -106,8 +113,7 @@ def run(ctx: StageContext) -> None:
     while step < stage.steps:
         ctx.begin_step(step + 1)
         started = time.perf_counter()
-        prompts = rank_share(schedule.global_batch(step), rank, world, stage.mini_batches)
-        stats = train_step(roles, prompts, sampling_seed(cfg.seed, step, rank), step + 1)
+        stats = train_step_at(roles, schedule, stage, cfg.seed, step)
         step += 1
         elapsed = time.perf_counter() - started
         phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}

@@ -62,6 +62,8 @@ def test_every_kind_of_call_is_recorded_once_with_its_size(ops_run):
 def test_every_call_has_completion_after_start_and_matches_across_ranks(ops_run):
     events, _ = ops_run
     assert all(e["t_end"] >= e["t_start"] for e in events)
+    functional = [e for e in events if e["phase"] == "functional_all_reduce"]
+    assert functional and all(e["t_start"] <= e["t_wait"] <= e["t_end"] for e in functional)
     keys = [Counter((e["op"], tuple(e["group_ranks"]), e["seq"], e["bytes"]) for e in events
                     if e["rank"] == r and e["op"] not in ("send", "recv")) for r in (0, 1)]
     assert keys[0] == keys[1]

@@ -33,15 +33,21 @@ def metrics(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.metrics("stage2_grpo").read_text().splitlines()]
 
 
-def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path):
+def prepared_grpo_run(tmp_path, steps: int) -> RunDir:
+    """A run directory with the base model and data of a small stage2_grpo (profile on), not yet run."""
     config = tmp_path / "cfg.yaml"
-    config.write_text("name: grpo\nseed: 2\nwandb: {mode: disabled}\n"
+    config.write_text("name: grpo\nseed: 2\nwandb: {mode: disabled}\nprofile: {comm: true}\n"
                       "data: {arithmetic: {sft_size: 16, prompts_size: 16, eval_size: 4}}\n"
                       "eval: {num_examples: 4, max_new_tokens: 16, batch_size: 4}\n"
-                      "stage2_grpo: {init_from: base, steps: 3, prompts_per_step: 4, group_size: 2, "
+                      f"stage2_grpo: {{init_from: base, steps: {steps}, prompts_per_step: 4, group_size: 2, "
                       "max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2}\n")
     run = RunDir(tmp_path / "run")
     prepare_run(load_config(config), run, tmp_path)
+    return run
+
+
+def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path):
+    run = prepared_grpo_run(tmp_path, steps=3)
     run_stage(run, "stage2_grpo")
     first = metrics(run)
     assert [m["step"] for m in first] == [1, 2, 3]

@@ -44,5 +44,14 @@ def test_sync_calls_overlap_nothing_and_async_calls_overlap_outside_blocked_time
     assert overlap_fraction([ev(0, 0, 0.0, 4.0, async_op=True), ev(0, 1, 1.0, 2.0)]) == pytest.approx(0.75)
 
 
+def test_the_time_a_rank_waits_for_its_async_call_is_not_overlapped():
+    waited_from_3 = {**ev(0, 0, 0.0, 4.0, async_op=True), "t_wait": 3.0}
+    assert overlap_fraction([waited_from_3]) == pytest.approx(0.75)
+    # and with a sync call 1..2 inside it, only 0..1 and 2..3 were free
+    assert overlap_fraction([waited_from_3, ev(0, 1, 1.0, 2.0)]) == pytest.approx(0.5)
+    waited_at_once = {**ev(0, 0, 0.0, 4.0, async_op=True), "t_wait": 0.0}
+    assert overlap_fraction([waited_at_once]) == 0.0
+
+
 def test_commbench_sizes_accept_unit_suffixes():
     assert [parse_size(s) for s in ("512", "4K", "1M", "2GB")] == [512, 4096, 1 << 20, 2 << 30]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from analysis.report import write_report
+from tests.conftest import markdown_table, markdown_tables
 
 RANKS = (0, 1)
 
@@ -84,20 +85,6 @@ class TableReader(HTMLParser):
             self._cell = None
 
 
-def markdown_tables(text: str) -> list[list[list[str]]]:
-    tables, current = [], None
-    for line in text.splitlines():
-        if line.startswith("|"):
-            if current is None:
-                current = []
-                tables.append(current)
-            if not line.startswith("|---"):
-                current.append([c.strip() for c in line.strip("|").split("|")])
-        else:
-            current = None
-    return tables
-
-
 def test_markdown_holds_the_same_tables_and_figures_as_the_html(report):
     reader = TableReader()
     reader.feed((report / "index.html").read_text())
@@ -116,6 +103,22 @@ def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
     pngs = {p.name for p in report.glob("*.png")}
     assert {"ranks2-stage2_grpo-grpo-panels.png", "ranks2-again-stage2_grpo-grpo-panels.png"} <= pngs
     assert not any("stage1_sft-grpo-panels" in p for p in pngs)
+    md = (report / "report.md").read_text().split("## Run ranks2-again\n")[0]
+    sft, grpo = md.split("### stage1_sft\n")[1].split("### stage2_grpo\n")
+    title = "GRPO phases side by side: communication per rank over the stage"
+    assert title not in sft
+    header, *rows = markdown_table(grpo, title)
+    assert header[1::3] == ["policy_update calls", "policy_logprob calls", "reference_logprob calls"]
+    # write_stage: one all-reduce and one all-gather a phase and step, 3 steps; the two ranks spend 25 + 5 ms a call
+    assert rows == [["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
+                    ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3]]
+
+
+def test_bytes_by_phase_are_what_each_phase_sent(report):
+    md = (report / "report.md").read_text().split("### stage1_sft\n")[1]
+    rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
+    assert rows == [["phase", "all_gather", "all_reduce"], *([p, "192.00 KiB", "3.00 MiB"]
+                                                            for p in ("backward", "forward", "optimizer"))]
 
 
 def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
@@ -150,3 +153,35 @@ def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_erro
     image = Image.open(shot).convert("L")
     low, high = image.getextrema()
     assert image.size[0] > 0 and high - low > 100, "screenshot is blank"
+
+
+@pytest.mark.parametrize("command", ["report", "commbench"])
+def test_hpcr1_hands_options_to_the_commands_own_parser(command, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: hpcr1 {command} ")
+
+
+def test_hpcr1_report_on_a_missing_directory_is_bad_input(tmp_path, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["report", "--out", str(tmp_path / "out"), str(tmp_path / "missing")])
+    assert done.value.code == 2 and "not a run directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path):
+    for site in ("site-a", "site-b"):
+        write_stage(tmp_path / site / "runs" / "tiny-cpu", "stage2_grpo", ["rollout", "policy_update"])
+    out = tmp_path / "report"
+    write_report([tmp_path / "site-a" / "runs" / "tiny-cpu", tmp_path / "site-b" / "runs" / "tiny-cpu"], out)
+    md = (out / "report.md").read_text()
+    assert "## Run site-a/runs/tiny-cpu\n" in md and "## Run site-b/runs/tiny-cpu\n" in md
+    comparison = markdown_table(md, "Comparison across runs")
+    assert [row[0] for row in comparison[1:]] == ["site-a/runs/tiny-cpu", "site-b/runs/tiny-cpu"]
+    assert {"site-a_runs_tiny-cpu-stage2_grpo-phases.png", "site-b_runs_tiny-cpu-stage2_grpo-phases.png"} <= {
+        p.name for p in out.glob("*.png")}
