@@ -72,6 +72,10 @@ class ArithmeticTask(Section):
     """Prompts for GRPO and synthetic-data generation."""
     eval_size: PositiveInt = 200
     """Held-out problems for evaluation after each stage."""
+    worked_fraction: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """Share of the curated SFT solutions that show their working; the others give the answer alone
+    (`<think></think>`), as scraped datasets often do. Below 1, SFT learns to skip the working on
+    some prompts, and GRPO's reward can teach the model that working pays."""
 
 
 class DataConfig(Section):

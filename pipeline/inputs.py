@@ -27,7 +27,9 @@ def load_task(cfg: RunConfig, config_dir: Path) -> dict[str, list[Example]]:
     sizes = {"sft": a.sft_size, "prompts": a.prompts_size, "eval": a.eval_size}
     # The generator's split names: the SFT set is its "train" split.
     names = {"sft": "train", "prompts": "prompts", "eval": "eval"}
-    return {split: generate_arithmetic(cfg.seed, n, names[split], a.num_operands, a.digits)
+    # Only the SFT set leaves out working: the others' solutions are never trained on.
+    worked = {"sft": a.worked_fraction, "prompts": 1.0, "eval": 1.0}
+    return {split: generate_arithmetic(cfg.seed, n, names[split], a.num_operands, a.digits, worked[split])
             for split, n in sizes.items()}
 
 

@@ -6,6 +6,10 @@ Each column, from the least significant, lists its digits, the carry coming in, 
 Generated from a seed: the same (seed, split, n) always gives the same list and a smaller n gives a
 prefix of it. The splits never share a problem: a hash of the operands assigns every problem to
 exactly one split, and each split's generator keeps only its own problems.
+
+`worked_fraction` below 1 leaves the working out of some solutions, which then give the answer
+alone (`<think></think><answer>14197</answer>`), as many scraped datasets do. Which ones is drawn
+from its own stream, so the problems are the same whatever the fraction.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ SPLIT_PERCENT = {"train": 80, "prompts": 10, "eval": 10}
 EXACT_COUNT_LIMIT = 10_000  # problem spaces up to this size have their split sizes counted exactly
 
 
-def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, digits: int = 4) -> list[Example]:
+def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, digits: int = 4,
+                        worked_fraction: float = 1.0) -> list[Example]:
     if split not in SPLIT_PERCENT:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_PERCENT)}")
     if num_operands < 1 or digits < 1 or n < 0:
@@ -27,7 +32,10 @@ def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, di
     if n > max_problems(split, num_operands, digits):
         raise ValueError(f"the {split} split does not have {n} distinct problems of {num_operands} "
                          f"{digits}-digit numbers")
+    if not 0 <= worked_fraction <= 1:
+        raise ValueError(f"worked_fraction must be within [0, 1] (got {worked_fraction})")
     rng = random.Random(f"{seed}-{split}")  # a string seed is hashed with SHA-512: stable across runs
+    shows_working = random.Random(f"{seed}-{split}-worked")
     examples, seen = [], set()
     while len(examples) < n:
         operands = tuple(rng.randrange(10 ** digits) for _ in range(num_operands))
@@ -35,6 +43,8 @@ def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, di
             continue
         seen.add(operands)
         thought, answer = chain_of_thought(operands, digits)
+        if shows_working.random() >= worked_fraction:
+            thought = ""
         prompt = "+".join(f"{x:0{digits}d}" for x in operands) + "="
         examples.append(Example(f"arith-{split}-{len(examples):06d}", prompt, answer,
                                 f"<think>{thought}</think><answer>{answer}</answer>"))

@@ -93,6 +93,23 @@ def test_chain_of_thought_is_arithmetically_right(num_operands, digits):
         assert int(STEP.fullmatch(steps[-1]).group(3) + units) == sum(nums)
 
 
+def test_worked_fraction_leaves_out_the_working_of_that_share_and_keeps_the_problems():
+    full = generate_arithmetic(4, 2000, "train")
+    partial = generate_arithmetic(4, 2000, "train", worked_fraction=0.3)
+    assert [(e.id, e.prompt, e.answer) for e in partial] == [(e.id, e.prompt, e.answer) for e in full]
+    bare = [e for e in partial if e.response == f"<think></think><answer>{e.answer}</answer>"]
+    worked = [e for e, f in zip(partial, full) if e.response == f.response]
+    assert len(bare) + len(worked) == len(partial)
+    assert 520 < len(worked) < 680, len(worked)  # 600 expected, sd 20
+    assert generate_arithmetic(4, 100, "train", worked_fraction=0.0)[0].response.startswith("<think></think>")
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5])
+def test_worked_fraction_outside_zero_one_is_refused(fraction):
+    with pytest.raises(ValueError, match="worked_fraction"):
+        generate_arithmetic(0, 1, "train", worked_fraction=fraction)
+
+
 def test_operands_are_uniform():
     counts = Counter(int(str(x).zfill(4)[0]) for e in generate_arithmetic(2, 3000, "train") for x in operands(e))
     assert set(counts) == set(range(10))
