@@ -41,8 +41,10 @@ class Machine:
         if not profile.gpus_per_node or not gib or not profile.host_memory_gib:
             raise ConfigError("--cluster", f"profile {profile.name!r} gives no GPUs per node, GPU memory "
                               "(gpu_memory_gib) or host memory (host_memory_gib) to plan for")
-        return cls(profile.name, profile.gpu_name or "GPU", gib * GIB, profile.gpus_per_node,
-                   profile.host_memory_gib * GIB)
+        gpu_name = profile.gpu_name or "GPU"
+        if gpu_memory_gib:  # say so: the profile's GPU name may give another memory size
+            gpu_name += f" taken as {gpu_memory_gib:g} GiB"
+        return cls(profile.name, gpu_name, gib * GIB, profile.gpus_per_node, profile.host_memory_gib * GIB)
 
     def nodes(self, gpus: int) -> int:
         return -(-gpus // self.gpus_per_node)
