@@ -131,9 +131,10 @@ def activations(m: LlamaShape, b: int, s: int, c: int, tp: int, attention_scores
     activations while it is recomputed) and the logits: the model's (c bytes), their fp32 copy for
     the loss and its gradient (8 bytes), split over TP by the vocabulary-parallel output layer."""
     scores = " + 2·a·s" if attention_scores else ""
-    layer = f"b·s·c·(4h + (2h + 2kv + 4f{scores})/tp)"
+    div = "/tp" if tp > 1 else ""
+    layer = f"b·s·c·(4h + (2h + 2kv + 4f{scores}){div})" if tp > 1 else f"b·s·c·(6h + 2kv + 4f{scores})"
     saved = f"L·b·s·c·h + {layer}" if recompute else f"L·{layer}"
-    formula = f"{saved} + b·s·V·(c+8)/tp  [b={b}, s={s}, c={c}]"
+    formula = f"{saved} + b·s·V·(c+8){div}  [b={b}, s={s}, c={c}]"
     one_layer = layer_activation_bytes(m, b, s, c, tp, attention_scores)
     kept = m.layers * b * s * c * m.hidden + one_layer if recompute else m.layers * one_layer
     return Term("activations", formula, kept + b * s * m.vocab * (c + 8) / tp)
