@@ -20,6 +20,12 @@ class Table:
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
         return "\n".join(lines) + "\n"
 
+    def text(self) -> str:
+        """The title, then columns aligned for a terminal."""
+        widths = [max(len(row[i]) for row in [self.header, *self.rows]) for i in range(len(self.header))]
+        line = lambda row: "  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip()  # noqa: E731
+        return "\n".join([self.title, line(self.header), *map(line, self.rows)]) + "\n"
+
     def html(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows)

@@ -23,6 +23,12 @@ class ClusterProfile(Section):
     """'srun': one task per rank (rank/world from the Slurm env); 'torchrun': one per node, c10d rendezvous."""
     gpus_per_node: int = 0
     """GPUs per node (0 on CPU clusters); with srun, tasks per node = GPUs per node."""
+    gpu_name: str | None = None
+    """GPU model, for the memory planner's report (e.g. 'A100-SXM4-40GB')."""
+    gpu_memory_gib: float = 0
+    """Memory of one GPU in GiB, as nvidia-smi reports it (what `hpcr1 plan` fits into)."""
+    host_memory_gib: float = 0
+    """Host (CPU) memory of one node in GiB."""
     ranks_per_node: int = 2
     """Ranks per node when gpus_per_node is 0."""
     cpus_per_task: int = 1

@@ -94,6 +94,17 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
 
+    pl = sub.add_parser("plan", help="memory per GPU and per node of each stage for each GPU count, and the verdict")
+    pl.add_argument("config")
+    pl.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="GPU counts, comma-separated")
+    pl.add_argument("--cluster", default="perlmutter", help="profile name in slurm/profiles/ or a YAML path")
+    pl.add_argument("--gpu-memory-gib", type=float, help="instead of the profile's (80: Perlmutter's hbm80g nodes)")
+    pl.add_argument("--prompt-tokens", type=int, default=512, help="prompt length assumed for GRPO and generation")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of text")
+    pl.add_argument("--out", help="the Markdown plan (default: plan-<name>.md here)")
+    pl.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    pl.set_defaults(func=cmd_plan)
+
     # Listed for `hpcr1 --help`; main() hands them their arguments before this parser runs.
     sub.add_parser("report", help="communication and phase breakdown of run directories", add_help=False)
     sub.add_parser("commbench", help="collective bandwidth sweep (torch.distributed or MPI)", add_help=False)
@@ -187,6 +198,32 @@ def cmd_config(args) -> int:
     from pipeline.config import dump_config, load_config
 
     print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from analysis import plan_report
+    from analysis.model_shape import model_shape
+    from analysis.plan import Machine, parse_gpus, plan
+    from launch.cluster import load_profile
+    from pipeline.config import ConfigError, load_config
+
+    gpus = parse_gpus(args.gpus)
+    if args.prompt_tokens < 1:
+        raise ConfigError("--prompt-tokens", f"must be at least 1 (got {args.prompt_tokens})")
+    if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
+        raise ConfigError("--gpu-memory-gib", f"must be positive (got {args.gpu_memory_gib})")
+    cfg = load_config(args.config, args.overrides, data_files=False)
+    shape = model_shape(cfg, Path(args.config).parent)
+    machine = Machine.from_profile(load_profile(args.cluster), args.gpu_memory_gib)
+    plans = plan(cfg, shape, machine, gpus, args.prompt_tokens)
+    out = Path(args.out or f"plan-{cfg.name}.md")
+    out.write_text(plan_report.render_markdown(cfg.name, shape, machine, plans))
+    if args.json:
+        print(json.dumps(plan_report.plan_json(cfg.name, shape, machine, plans), indent=2))
+    else:
+        print(plan_report.render_text(cfg.name, shape, machine, plans), end="")
+    print(f"markdown: {out}", file=sys.stderr)
     return 0
 
 

@@ -264,7 +264,8 @@ class RunConfig(Section):
         return {sid: getattr(self, sid) for sid in STAGE_IDS if getattr(self, sid, None) is not None}
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path, overrides: list[str] = (), data_files: bool = True) -> RunConfig:
+    """`data_files=False` skips checking that the data files exist (the planner reads no data)."""
     raw = _read_yaml(Path(path))
     for item in overrides:
         _apply_override(raw, item)
@@ -274,7 +275,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "<top level>"
         raise ConfigError(field, f"{err['msg']} (got {_short_repr(err.get('input'))})") from None
-    _check_consistency(cfg, Path(path).parent)
+    _check_consistency(cfg, Path(path).parent, data_files)
     return _with_absolute_paths(cfg, Path(path).parent)
 
 
@@ -401,12 +402,12 @@ def resolve_path(base: Path, path: str) -> Path:
     return p if p.is_absolute() or p.exists() else base / p
 
 
-def _check_consistency(cfg: RunConfig, base: Path) -> None:
+def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
     """Checks across fields: layouts that cannot be built, files that are not there, a broken graph."""
     t = cfg.model.tiny
     if cfg.model.source == "tiny" and t.num_heads % t.num_kv_heads:
         raise ConfigError("model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})")
-    if cfg.data.task == "files":
+    if cfg.data.task == "files" and data_files:
         for name in ("sft_file", "prompts_file", "eval_file"):
             value = getattr(cfg.data, name)
             if value is None or not resolve_path(base, value).is_file():
