@@ -1,0 +1,98 @@
+"""When one rank of a stage fails: what each rank leaves behind, and which rank failed first.
+
+A rank that raises records its exception in logs/rank-NNNNN.error.json (launch.worker). A rank
+killed by a signal cannot write anything, so the launcher writes how torchrun saw every failed rank
+end (exit code or signal, in the order it saw them) to logs/torchrun-failures.json
+(launch.torchrun). The driver reads both back into one structured error for the manifest.
+
+The surviving ranks are not left blocked in a collective: gloo raises on them as soon as a peer's
+sockets close, and torchrun sends SIGTERM to every rank still running, then SIGKILL 30 s later
+(torch.distributed.elastic.multiprocessing.api, SubprocessContext._close).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.atomic import atomic_write_text
+
+# Test seam: "rank=1,step=3" makes rank 1 raise InjectedFailure as step 3 begins (StageContext.begin_step).
+FAIL_AT_ENV = "HPCR1_FAIL_AT"
+TORCHRUN_FAILURES = "torchrun-failures.json"
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def fail_if_asked(rank: int, step: int) -> None:
+    spec = os.environ.get(FAIL_AT_ENV)
+    if not spec:
+        return
+    target = dict(part.split("=") for part in spec.split(","))
+    if (int(target["rank"]), int(target["step"])) == (rank, step):
+        raise InjectedFailure(f"{FAIL_AT_ENV}={spec}: rank {rank} fails as step {step} begins")
+
+
+def record_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank-{rank:05d}.error.json"
+
+
+def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
+    """Called in the rank's `except` block, so its traceback is the one being handled."""
+    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+              "traceback": traceback.format_exc()[-4000:]}
+    atomic_write_text(record_path(log_dir, rank), json.dumps(record, indent=2) + "\n")
+
+
+def forget_failures(log_dir: Path) -> None:
+    """Before an attempt: what an earlier attempt's ranks left must not be read as this one's."""
+    for path in [*log_dir.glob("rank-*.error.json"), log_dir / TORCHRUN_FAILURES]:
+        path.unlink(missing_ok=True)
+
+
+def read_failures(log_dir: Path) -> tuple[list[dict], dict[int, dict]]:
+    """(how torchrun saw the failed ranks end, in that order; the exceptions ranks recorded by rank)."""
+    ended_file = log_dir / TORCHRUN_FAILURES
+    ended = json.loads(ended_file.read_text()) if ended_file.exists() else []
+    records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
+    return ended, {r["rank"]: r for r in records}
+
+
+def first_failed_rank(ended: list[dict], records: dict[int, dict]) -> int | None:
+    """The rank torchrun saw end first, if it was killed without recording anything: it polls every
+    0.1 s, and a survivor takes longer than that to see its peer gone, raise and exit. Otherwise the
+    rank whose exception came first (a survivor's 'Connection closed by peer' comes after its cause)."""
+    seen_first = ended[0]["rank"] if ended else None
+    if seen_first is not None and seen_first not in records:
+        return seen_first
+    return min(records, key=lambda r: records[r]["time"]) if records else None
+
+
+def how_it_ended(rank: int, ended: list[dict], records: dict[int, dict]) -> str:
+    if rank in records:
+        return f"{records[rank]['type']}: {records[rank]['message']}"
+    exit_ = next(e for e in ended if e["rank"] == rank)
+    return f"killed by {exit_['signal']}" if exit_["signal"] else f"exited with code {exit_['exitcode']}"
+
+
+def stage_error(log_dir: Path, exit_code: int) -> dict:
+    """The manifest's `error` for a stage whose ranks failed: the first failed rank, how (exception
+    or signal), its log, and how every other failed rank ended."""
+    ended, records = read_failures(log_dir)
+    rank = first_failed_rank(ended, records)
+    if rank is None:
+        return {"summary": f"ranks exited with code {exit_code}; no rank recorded why (logs in {log_dir})",
+                "exit_code": exit_code, "rank": None}
+    record = records.get(rank, {})
+    signal = next((e["signal"] for e in ended if e["rank"] == rank), None)
+    log = str(log_dir / f"rank-{rank:05d}.log")
+    how = how_it_ended(rank, ended, records)
+    others = sorted(({e["rank"] for e in ended} | set(records)) - {rank})
+    return {"summary": f"rank {rank} failed first: {how} (log: {log})", "exit_code": exit_code, "rank": rank,
+            "how": how, "signal": None if record else signal, "exception": record.get("type"),
+            "message": record.get("message"), "traceback": record.get("traceback"), "log": log,
+            "others": {str(r): how_it_ended(r, ended, records) for r in others}}
