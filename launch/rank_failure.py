@@ -54,45 +54,49 @@ def forget_failures(log_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_failures(log_dir: Path) -> tuple[list[dict], dict[int, dict]]:
-    """(how torchrun saw the failed ranks end, in that order; the exceptions ranks recorded by rank)."""
+def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(how torchrun saw the failed ranks end, by rank in the order it saw them; the exceptions the
+    ranks recorded, by rank)."""
     ended_file = log_dir / TORCHRUN_FAILURES
-    ended = json.loads(ended_file.read_text()) if ended_file.exists() else []
+    exits = json.loads(ended_file.read_text()) if ended_file.exists() else []
     records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
-    return ended, {r["rank"]: r for r in records}
+    return {e["rank"]: e for e in exits}, {r["rank"]: r for r in records}
 
 
-def first_failed_rank(ended: list[dict], records: dict[int, dict]) -> int | None:
-    """The rank torchrun saw end first, if it was killed without recording anything: it polls every
-    0.1 s, and a survivor takes longer than that to see its peer gone, raise and exit. Otherwise the
-    rank whose exception came first (a survivor's 'Connection closed by peer' comes after its cause)."""
-    seen_first = ended[0]["rank"] if ended else None
-    if seen_first is not None and seen_first not in records:
-        return seen_first
-    return min(records, key=lambda r: records[r]["time"]) if records else None
+def first_failed_rank(exits: dict[int, dict], records: dict[int, dict]) -> int | None:
+    """The rank whose failure came first. A rank that raised is timed by its record; a rank killed
+    by a signal by torchrun's timestamp, whole seconds taken within its 0.1 s poll of the death, so
+    one second earlier is before the death (and before the 'Connection closed by peer' it causes on
+    a survivor). Ranks stopped by torchrun's own SIGTERM, without a record, come after the cause."""
+    def when(rank: int) -> float:
+        return records[rank]["time"] if rank in records else exits[rank]["timestamp"] - 1
+
+    causes = set(records) | {r for r, e in exits.items() if e["signal"] not in (None, "SIGTERM")}
+    # Equal times: the order in which torchrun saw the ranks end.
+    order = [*exits, *sorted(set(records) - set(exits))]
+    return min(causes or exits, key=lambda r: (when(r), order.index(r)), default=None)
 
 
-def how_it_ended(rank: int, ended: list[dict], records: dict[int, dict]) -> str:
+def how_it_ended(rank: int, exits: dict[int, dict], records: dict[int, dict]) -> str:
     if rank in records:
         return f"{records[rank]['type']}: {records[rank]['message']}"
-    exit_ = next(e for e in ended if e["rank"] == rank)
-    return f"killed by {exit_['signal']}" if exit_["signal"] else f"exited with code {exit_['exitcode']}"
+    signal, code = exits[rank]["signal"], exits[rank]["exitcode"]
+    return f"killed by {signal}" if signal else f"exited with code {code}"
 
 
 def stage_error(log_dir: Path, exit_code: int) -> dict:
     """The manifest's `error` for a stage whose ranks failed: the first failed rank, how (exception
     or signal), its log, and how every other failed rank ended."""
-    ended, records = read_failures(log_dir)
-    rank = first_failed_rank(ended, records)
+    exits, records = read_failures(log_dir)
+    rank = first_failed_rank(exits, records)
     if rank is None:
         return {"summary": f"ranks exited with code {exit_code}; no rank recorded why (logs in {log_dir})",
                 "exit_code": exit_code, "rank": None}
     record = records.get(rank, {})
-    signal = next((e["signal"] for e in ended if e["rank"] == rank), None)
     log = str(log_dir / f"rank-{rank:05d}.log")
-    how = how_it_ended(rank, ended, records)
-    others = sorted(({e["rank"] for e in ended} | set(records)) - {rank})
+    how = how_it_ended(rank, exits, records)
+    others = sorted((set(exits) | set(records)) - {rank})
     return {"summary": f"rank {rank} failed first: {how} (log: {log})", "exit_code": exit_code, "rank": rank,
-            "how": how, "signal": None if record else signal, "exception": record.get("type"),
+            "how": how, "signal": None if record else exits[rank]["signal"], "exception": record.get("type"),
             "message": record.get("message"), "traceback": record.get("traceback"), "log": log,
-            "others": {str(r): how_it_ended(r, ended, records) for r in others}}
+            "others": {str(r): how_it_ended(r, exits, records) for r in others}}
