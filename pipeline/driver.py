@@ -143,7 +143,8 @@ def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) ->
     if rc != 0:
         error = stage_error(run.logs(sid), rc)
         manifest.fail(sid, error)
-        raise StageFailed(f"{sid} failed (exit code {rc}): {error['summary']}\n{_log_tail(run, sid, error.get('log'))}")
+        tail = _log_tail(run, sid, error.get("log"))
+        raise StageFailed(f"{sid} failed (exit code {rc}): {error['summary']}\n{tail}")
     evaluation = json.loads(run.eval_result(sid).read_text())
     manifest.finish(sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)),
                     eval=evaluation)

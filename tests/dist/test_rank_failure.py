@@ -18,9 +18,10 @@ from tests.conftest import REPO, hpcr1_env, hpcr1_run, resumed_steps
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-# torchrun sees a rank end within its 0.1 s monitor interval, sends SIGTERM to the others and SIGKILL
-# 30 s later (torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._close); the rest
-# is slack for a loaded 2-core machine.
+# The failed rank is gone at once (killed, or launch.worker's os._exit after an exception); torchrun
+# sees that within its 0.1 s monitor interval, sends SIGTERM to the others and SIGKILL 30 s later
+# (torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._close); the rest is slack
+# for a loaded 2-core machine.
 ALL_RANKS_GONE_WITHIN_S = 60
 
 
