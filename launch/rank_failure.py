@@ -3,13 +3,14 @@
 A rank that raises records its exception in logs/rank-NNNNN.error.json (launch.worker). A rank
 killed by a signal cannot write anything, so the launcher writes how torchrun saw every failed rank
 end (exit code or signal, in the order it saw them) to logs/torchrun-failures.json
-(launch.torchrun). The driver reads both back into one structured error for the manifest.
+(launch.torchrun; ranks started by srun have only their own records). The driver reads both back
+into one structured error for the manifest.
 
 The surviving ranks are not left blocked in a collective: the failed rank's process ends at once
 (launch.worker skips the interpreter's slow orderly exit), gloo raises on the others as soon as its
 sockets close, and torchrun sends SIGTERM to every rank still running, then SIGKILL 30 s later
-(torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). Nothing delays the
-SIGTERM: launch.preemption handles only USR1.
+(torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). No handler of ours
+delays the SIGTERM: launch.preemption takes only USR1.
 """
 from __future__ import annotations
 
