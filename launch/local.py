@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch.rank_failure import TORCHRUN_FAILURES
+from pipeline.rundir import RunDir
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -15,7 +18,8 @@ def free_port() -> int:
 
 
 def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    failures = RunDir(run_dir).logs(stage_id) / TORCHRUN_FAILURES
+    return [sys.executable, "-m", "launch.torchrun", str(failures), f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", "-m", "launch.worker", str(run_dir), stage_id]
 
 

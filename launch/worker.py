@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     from launch.comm_profiler import CommProfiler
     from launch.dist import discover_ranks, init_distributed, shutdown_distributed
     from launch.preemption import install_handlers
+    from launch.rank_failure import record_exception
     from pipeline.config import RunConfig
     from pipeline.rundir import RunDir
     from stages.context import StageContext
@@ -45,9 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with profiler or contextlib.nullcontext():
             stage_runner(ctx)(ctx)
-    except Exception:
+    except Exception as e:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
-        raise
+        record_exception(run.logs(stage_id), info.rank, e)
+        # Leave now: the other ranks wait in a collective until this process is gone, and an orderly
+        # exit (collecting torch/megatron/DeepSpeed's garbage) takes 5-20 s on a busy 2-core machine.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
     finally:
         shutdown_distributed()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from launch.local import run_stage_locally
 from launch.preemption import PREEMPTED_EXIT
+from launch.rank_failure import forget_failures, stage_error
 from pipeline.atomic import atomic_write_text, tree_checksums
 from pipeline.config import ConfigError, RunConfig, dump_config
 from pipeline.fingerprint import changed_parts, digest, input_parts
@@ -118,6 +119,7 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
     manifest.update(sid, inputs=parts, input_hash=digest(parts))
     _report_resume_point(cfg, run, manifest, sid, echo)
     echo(f"{sid}: starting (attempt {manifest.stage(sid)['attempts']}, {cfg.nproc} ranks)")
+    forget_failures(run.logs(sid))
     rc = launch()
     manifest.update(sid, checkpoints=CheckpointDir(run.ckpt(sid), keep=1).digests())
     _record_outcome(run, manifest, sid, rc, echo)
@@ -139,8 +141,10 @@ def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) ->
         manifest.update(sid, state="pending", preempted=manifest.stage(sid).get("preempted", 0) + 1)
         raise StagePreempted(f"{sid} checkpointed and stopped on a signal; run it again to continue")
     if rc != 0:
-        manifest.fail(sid, f"ranks exited with code {rc}; logs in {run.logs(sid)}")
-        raise StageFailed(f"{sid} failed (exit code {rc}); rank logs: {run.logs(sid)}\n{_log_tail(run, sid)}")
+        error = stage_error(run.logs(sid), rc)
+        manifest.fail(sid, error)
+        tail = _log_tail(run, sid, error.get("log"))
+        raise StageFailed(f"{sid} failed (exit code {rc}): {error['summary']}\n{tail}")
     evaluation = json.loads(run.eval_result(sid).read_text())
     manifest.finish(sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)),
                     eval=evaluation)
@@ -159,9 +163,10 @@ def _final_intact(run: RunDir, sid: str, entry: dict) -> bool:
     return run.final(sid).is_dir() and tree_checksums(run.final(sid)) == entry.get("checksums")
 
 
-def _log_tail(run: RunDir, sid: str, lines: int = 25) -> str:
+def _log_tail(run: RunDir, sid: str, first: str | None, lines: int = 25) -> str:
+    """The ends of the logs with a traceback, the first failed rank's (`first`) first."""
     tails = []
-    for log in sorted(run.logs(sid).glob("rank-*.log")):
+    for log in sorted(run.logs(sid).glob("rank-*.log"), key=lambda p: (str(p) != first, p.name)):
         text = log.read_text(errors="replace").splitlines()
         if any("Traceback" in line or "Error" in line for line in text):
             tails.append(f"--- {log.name} (last {lines} lines)\n" + "\n".join(text[-lines:]))

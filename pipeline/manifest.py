@@ -31,7 +31,8 @@ class Manifest:
     def finish(self, stage_id: str, **fields) -> None:
         self.update(stage_id, state="done", ended=_now(), **fields)
 
-    def fail(self, stage_id: str, error: str) -> None:
+    def fail(self, stage_id: str, error: dict) -> None:
+        """`error["summary"]` is one line for `hpcr1 status`; the other fields are structured detail."""
         self.update(stage_id, state="failed", ended=_now(), error=error)
 
     def save(self) -> None:

@@ -29,4 +29,10 @@ def stage_rows(run_dir: Path) -> list[str]:
         state, elapsed = slurm.get(job, ("-", "-"))
         rows.append(f"{sid:<14} {entry['state']:<8} {entry['attempts']:>8} {'-' if step is None else step:>9} "
                     f"{'-' if accuracy is None else f'{accuracy:.3f}':>8}  {job:<8} {state:<12} {elapsed:>9}")
-    return rows
+    failed = [(sid, e["error"]) for sid, e in stages.items() if e["state"] == "failed" and e.get("error")]
+    return rows + [f"{sid}: {_summary(error)}" for sid, error in failed]
+
+
+def _summary(error: dict | str) -> str:
+    # Manifests written before errors were structured hold a plain string.
+    return error if isinstance(error, str) else error["summary"]

@@ -77,6 +77,6 @@ def cancel(run: RunDir, echo=print) -> list[str]:
         subprocess.run(["scancel", *jobs], check=False)
     for sid, entry in manifest.data["stages"].items():
         if entry.get("job_id") in jobs and entry["state"] in ("pending", "running"):
-            manifest.update(sid, state="failed", error="cancelled by hpcr1 cancel")
+            manifest.fail(sid, {"summary": "cancelled by hpcr1 cancel"})
     echo(f"cancelled {len(jobs)} job(s): {' '.join(jobs) or '-'}")
     return jobs

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from launch.comm_profiler import CommProfiler
 from launch.dist import RankInfo
+from launch.rank_failure import fail_if_asked
 from pipeline.config import RunConfig
 from pipeline.rundir import RunDir
 
@@ -24,7 +25,9 @@ class StageContext:
     profiler: CommProfiler | None = None
 
     def begin_step(self, step: int) -> None:
-        """Tag what follows (communication events) with the step about to run."""
+        """Tag what follows (communication events) with the step about to run; fail here if a test
+        asked this rank to (launch.rank_failure.FAIL_AT_ENV)."""
+        fail_if_asked(self.rank.rank, step)
         if self.profiler is not None:
             self.profiler.set_step(step)
 

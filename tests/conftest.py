@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +26,27 @@ SMALL_RUN = {
 
 def hpcr1_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
+
+
+def hpcr1_run(run_dir: Path, *overrides: str, wait: bool = True, env: dict[str, str] | None = None):
+    """`hpcr1 run` of SMALL_RUN into run_dir: waited for and checked to succeed, or (wait=False) the
+    running process, in a session of its own so that a test can kill it with its ranks."""
+    config = run_dir.parent / f"{run_dir.name}.yaml"
+    config.write_text(yaml.safe_dump(SMALL_RUN))
+    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(config), "--run-dir", str(run_dir), *overrides]
+    full_env = {**hpcr1_env(), **(env or {})}
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def resumed_steps(run_dir: Path, stage_id: str = "stage1_sft") -> list[int]:
+    """The steps rank 0 of the stage said it resumed from, over all its attempts."""
+    log = (run_dir / stage_id / "logs" / "rank-00000.log").read_text()
+    return [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -5,29 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.conftest import REPO, SMALL_RUN, hpcr1_env
+from tests.conftest import hpcr1_run, resumed_steps
 
 pytestmark = pytest.mark.dist
-
-def hpcr1_run(run_dir: Path, *overrides: str, wait: bool = True):
-    config = run_dir.parent / f"{run_dir.name}.yaml"
-    config.write_text(yaml.safe_dump(SMALL_RUN))
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(config), "--run-dir", str(run_dir), *overrides]
-    env = hpcr1_env()
-    if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -94,9 +79,8 @@ def test_killed_run_resumes_from_checkpoint_and_matches_uninterrupted(runs, tmp_
     assert killed_at < 20, "the run finished before it could be killed: nothing was tested"
 
     out = hpcr1_run(run_dir)
-    log = (run_dir / "stage1_sft" / "logs" / "rank-00000.log").read_text()
-    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
-    assert resumed and resumed[0] >= 5, log[-2000:]
+    resumed = resumed_steps(run_dir)
+    assert resumed and resumed[0] >= 5, out.stdout
     manifest = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
     assert manifest["attempts"] == 2 and manifest["state"] == "done", out.stdout
     after = losses(run_dir)

@@ -1,0 +1,105 @@
+"""When one rank of a stage fails: what each rank leaves behind, and which rank failed first.
+
+A rank that raises records its exception in logs/rank-NNNNN.error.json (launch.worker). A rank
+killed by a signal cannot write anything, so the launcher writes how torchrun saw every failed rank
+end (exit code or signal, in the order it saw them) to logs/torchrun-failures.json
+(launch.torchrun; ranks started by srun have only their own records). The driver reads both back
+into one structured error for the manifest.
+
+The surviving ranks are not left blocked in a collective: the failed rank's process ends at once
+(launch.worker skips the interpreter's slow orderly exit), gloo raises on the others as soon as its
+sockets close, and torchrun sends SIGTERM to every rank still running, then SIGKILL 30 s later
+(torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). No handler of ours
+delays the SIGTERM: launch.preemption takes only USR1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+
+from pipeline.atomic import atomic_write_text
+
+# Test seam: "rank=1,step=3" makes rank 1 raise InjectedFailure as step 3 begins (StageContext.begin_step).
+FAIL_AT_ENV = "HPCR1_FAIL_AT"
+TORCHRUN_FAILURES = "torchrun-failures.json"
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def fail_if_asked(rank: int, step: int) -> None:
+    spec = os.environ.get(FAIL_AT_ENV)
+    if not spec:
+        return
+    target = dict(part.split("=") for part in spec.split(","))
+    if (int(target["rank"]), int(target["step"])) == (rank, step):
+        raise InjectedFailure(f"{FAIL_AT_ENV}={spec}: rank {rank} fails as step {step} begins")
+
+
+def record_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank-{rank:05d}.error.json"
+
+
+def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
+    """Called in the rank's `except` block, so its traceback is the one being handled."""
+    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
+              "traceback": traceback.format_exc()[-4000:]}
+    atomic_write_text(record_path(log_dir, rank), json.dumps(record, indent=2) + "\n")
+
+
+def forget_failures(log_dir: Path) -> None:
+    """Before an attempt: what an earlier attempt's ranks left must not be read as this one's."""
+    for path in [*log_dir.glob("rank-*.error.json"), log_dir / TORCHRUN_FAILURES]:
+        path.unlink(missing_ok=True)
+
+
+def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
+    """(how torchrun saw the failed ranks end, by rank in the order it saw them; the exceptions the
+    ranks recorded, by rank)."""
+    ended_file = log_dir / TORCHRUN_FAILURES
+    exits = json.loads(ended_file.read_text()) if ended_file.exists() else []
+    records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
+    return {e["rank"]: e for e in exits}, {r["rank"]: r for r in records}
+
+
+def first_failed_rank(exits: dict[int, dict], records: dict[int, dict]) -> int | None:
+    """The rank whose failure came first. A rank that raised is timed by its record; a rank killed
+    by a signal by torchrun's timestamp, whole seconds taken within its 0.1 s poll of the death, so
+    one second earlier is before the death (and before the 'Connection closed by peer' it causes on
+    a survivor). Ranks stopped by torchrun's own SIGTERM, without a record, come after the cause."""
+    def when(rank: int) -> float:
+        return records[rank]["time"] if rank in records else exits[rank]["timestamp"] - 1
+
+    causes = set(records) | {r for r, e in exits.items() if e["signal"] not in (None, "SIGTERM")}
+    # Equal times: the order in which torchrun saw the ranks end.
+    order = [*exits, *sorted(set(records) - set(exits))]
+    return min(causes or exits, key=lambda r: (when(r), order.index(r)), default=None)
+
+
+def how_it_ended(rank: int, exits: dict[int, dict], records: dict[int, dict]) -> str:
+    if rank in records:
+        return f"{records[rank]['type']}: {records[rank]['message']}"
+    signal, code = exits[rank]["signal"], exits[rank]["exitcode"]
+    return f"killed by {signal}" if signal else f"exited with code {code}"
+
+
+def stage_error(log_dir: Path, exit_code: int) -> dict:
+    """The manifest's `error` for a stage whose ranks failed: the first failed rank, how (exception
+    or signal), its log, and how every other failed rank ended."""
+    exits, records = read_failures(log_dir)
+    rank = first_failed_rank(exits, records)
+    if rank is None:
+        return {"summary": f"ranks exited with code {exit_code}; no rank recorded why (logs in {log_dir})",
+                "exit_code": exit_code, "rank": None}
+    record = records.get(rank, {})
+    log = str(log_dir / f"rank-{rank:05d}.log")
+    how = how_it_ended(rank, exits, records)
+    others = sorted((set(exits) | set(records)) - {rank})
+    return {"summary": f"rank {rank} failed first: {how} (log: {log})", "exit_code": exit_code, "rank": rank,
+            "how": how, "signal": None if record else exits[rank]["signal"], "exception": record.get("type"),
+            "message": record.get("message"), "traceback": record.get("traceback"), "log": log,
+            "others": {str(r): how_it_ended(r, exits, records) for r in others}}

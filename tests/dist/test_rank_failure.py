@@ -1,0 +1,110 @@
+"""One rank of a 2-rank SFT stage fails, by an exception or by SIGKILL: every rank is gone within a
+bound (none left blocked in a collective), the manifest and `hpcr1 status` name that rank and how it
+failed, and the next `hpcr1 run` resumes the stage from its checkpoint to done."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.rank_failure import FAIL_AT_ENV
+from tests.conftest import REPO, hpcr1_env, hpcr1_run, resumed_steps
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+# The failed rank is gone at once (killed, or launch.worker's os._exit after an exception); torchrun
+# sees that within its 0.1 s monitor interval, sends SIGTERM to the others and SIGKILL 30 s later
+# (torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._close); the rest is slack
+# for a loaded 2-core machine.
+ALL_RANKS_GONE_WITHIN_S = 60
+
+
+def rank_pids(run_dir: Path) -> dict[int, int]:
+    """The processes of run_dir's ranks by RANK: launch.worker with run_dir in its arguments and
+    RANK in its environment (torchrun's own arguments name them too, its environment has no RANK)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            rank = [v for v in (proc / "environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")]
+        except OSError:  # not a process, one of another user, or one that just ended
+            continue
+        if rank and b"launch.worker" in args and str(run_dir).encode() in args:
+            found[int(rank[0].removeprefix(b"RANK="))] = int(proc.name)
+    return found
+
+
+def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 300):
+    deadline = time.time() + timeout
+    while not (result := condition()):
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"no {what} (hpcr1 run rc={proc.poll()}):\n{proc.communicate()[0].decode()[-4000:]}")
+        time.sleep(0.05)
+    return result
+
+
+def gone_at(pids: dict[int, int], timeout: float = 300) -> float:
+    """When the last of these processes ended."""
+    deadline = time.time() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids.values()):
+        assert time.time() < deadline, f"ranks {pids} still running after {timeout} s"
+        time.sleep(0.05)
+    return time.time()
+
+
+def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
+    """The stage's manifest entry and `hpcr1 status` once the failed `hpcr1 run` has ended."""
+    out = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode == 1, out[-4000:]
+    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", str(run_dir)], cwd=REPO,
+                            env=hpcr1_env(), capture_output=True, text=True, check=True).stdout
+    return json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"], status
+
+
+def assert_resumes_to_done(run_dir: Path, from_step: int) -> None:
+    out = hpcr1_run(run_dir).stdout
+    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert entry["state"] == "done" and entry["attempts"] == 2 and entry["error"] is None, out
+    assert resumed_steps(run_dir) == [from_step], out
+
+
+def test_exception_on_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_path):
+    run_dir = tmp_path / "raises"
+    proc = hpcr1_run(run_dir, wait=False, env={FAIL_AT_ENV: "rank=1,step=7"})
+    pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
+    ended = gone_at(pids)
+    entry, status = failed_run(run_dir, proc)
+
+    raised = json.loads((run_dir / "stage1_sft" / "logs" / "rank-00001.error.json").read_text())["time"]
+    print(f"exception on rank 1 -> all ranks gone: {ended - raised:.1f} s")
+    assert ended - raised < ALL_RANKS_GONE_WITHIN_S
+    error = entry["error"]
+    assert entry["state"] == "failed" and error["rank"] == 1, error
+    assert error["exception"] == "InjectedFailure" and "step 7" in error["message"], error
+    assert error["log"].endswith("rank-00001.log") and error["signal"] is None
+    assert "rank 1 failed first: InjectedFailure" in status, status
+    assert_resumes_to_done(run_dir, from_step=5)
+
+
+def test_sigkill_of_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_path):
+    run_dir = tmp_path / "killed"
+    proc = hpcr1_run(run_dir, wait=False)
+    pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
+    wait_until((run_dir / "stage1_sft" / "ckpt" / "step-000005").exists, proc, "checkpoint at step 5")
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.time()
+    ended = gone_at(pids)
+    entry, status = failed_run(run_dir, proc)
+
+    print(f"SIGKILL of rank 1 -> all ranks gone: {ended - killed:.1f} s")
+    assert ended - killed < ALL_RANKS_GONE_WITHIN_S
+    error = entry["error"]
+    assert entry["state"] == "failed" and error["rank"] == 1 and error["signal"] == "SIGKILL", error
+    assert "rank 1 failed first: killed by SIGKILL" in status, status
+    assert_resumes_to_done(run_dir, from_step=5)

@@ -1,0 +1,66 @@
+"""Which rank failed first, from what the ranks and torchrun leave in logs/, in the orders of events
+that the 2-rank tests (tests/dist/test_rank_failure.py) cannot force: two ranks ending within one
+torchrun poll, and a survivor that outlives torchrun's SIGTERM."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch.rank_failure import (FAIL_AT_ENV, TORCHRUN_FAILURES, InjectedFailure, fail_if_asked, forget_failures,
+                                 record_path, stage_error)
+
+
+def write_logs(log_dir, exits: list[tuple[int, int, str | None, int]], raised: dict[int, tuple[float, str]]):
+    """exits: (rank, exit code, signal, torchrun's timestamp) in the order torchrun saw them end;
+    raised: rank -> (time, message) of a RuntimeError the rank recorded."""
+    log_dir.mkdir(exist_ok=True)
+    ended = [{"rank": r, "exitcode": code, "signal": sig, "timestamp": ts} for r, code, sig, ts in exits]
+    (log_dir / TORCHRUN_FAILURES).write_text(json.dumps(ended))
+    for rank, (t, message) in raised.items():
+        record = {"rank": rank, "time": t, "type": "RuntimeError", "message": message, "traceback": ""}
+        record_path(log_dir, rank).write_text(json.dumps(record))
+
+
+def test_killed_rank_is_first_though_its_survivor_ended_in_the_same_poll(tmp_path):
+    write_logs(tmp_path, [(0, 1, None, 100), (1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
+    error = stage_error(tmp_path, 1)
+    assert (error["rank"], error["signal"], error["exception"]) == (1, "SIGKILL", None)
+    assert error["others"] == {"0": "RuntimeError: Connection closed by peer"}
+
+
+def test_earliest_exception_is_first_though_torchrun_saw_its_rank_end_later(tmp_path):
+    write_logs(tmp_path, [(0, 1, None, 100), (1, 1, None, 100)],
+               {0: (100.3, "Connection closed by peer"), 1: (100.01, "out of memory")})
+    error = stage_error(tmp_path, 1)
+    assert (error["rank"], error["message"]) == (1, "out of memory")
+
+
+def test_survivor_killed_after_the_sigterm_grace_is_not_the_cause(tmp_path):
+    write_logs(tmp_path, [(1, 1, None, 100), (0, -9, "SIGKILL", 131)], {1: (99.9, "bad batch")})
+    assert stage_error(tmp_path, 1)["rank"] == 1
+
+
+def test_rank_stopped_by_torchruns_sigterm_is_a_bystander(tmp_path):
+    write_logs(tmp_path, [(0, -15, "SIGTERM", 100), (1, -11, "SIGSEGV", 100)], {})
+    error = stage_error(tmp_path, 1)
+    assert error["rank"] == 1 and error["summary"].startswith("rank 1 failed first: killed by SIGSEGV")
+
+
+def test_no_record_from_any_rank_says_so(tmp_path):
+    error = stage_error(tmp_path, 1)
+    assert error["rank"] is None and error["summary"].startswith("ranks exited with code 1; no rank recorded why")
+
+
+def test_an_earlier_attempts_records_are_forgotten(tmp_path):
+    write_logs(tmp_path, [(1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
+    forget_failures(tmp_path)
+    assert stage_error(tmp_path, 1)["rank"] is None
+
+
+def test_failpoint_raises_only_on_its_rank_and_step(monkeypatch):
+    monkeypatch.setenv(FAIL_AT_ENV, "rank=1,step=3")
+    fail_if_asked(0, 3)  # another rank
+    fail_if_asked(1, 2)  # another step
+    with pytest.raises(InjectedFailure, match="rank 1 fails as step 3 begins"):
+        fail_if_asked(1, 3)
