@@ -24,7 +24,9 @@ def timed_score(response: str, answer: str):
     start = time.perf_counter()
     result = score(response, answer)
     elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"scoring took {elapsed:.2f}s"
+    # Scoring is bounded per symbolic comparison (SYMBOLIC_TIMEOUT_S); the wall-clock bound is loose
+    # because a shared machine may give this process a fraction of a core. A hang still fails.
+    assert elapsed < 10.0, f"scoring took {elapsed:.2f}s"
     return result
 
 
