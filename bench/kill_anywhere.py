@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.atomic import tree_checksums  # noqa: E402
-from pipeline.config import STAGE_IDS  # noqa: E402
+from pipeline.config import STAGE_IDS, load_resolved  # noqa: E402
 from pipeline.rundir import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
@@ -73,6 +73,7 @@ class KillPoint:
     time: float                # seconds into the uninterrupted run
     after: tuple[int, int]     # (stage index, steps logged) last reached before that time
     delay: float               # seconds after reaching it
+    before: tuple[int, int]    # the point reached next: a faster attempt is killed there
 
 
 class Attempt:
@@ -90,6 +91,18 @@ class Attempt:
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leave nothing running when the harness itself stops (Ctrl-C, an error)."""
+        if self.proc.poll() is None:
+            self._kill()
+
+    def _kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -129,15 +142,16 @@ class Attempt:
         return timeline
 
     def kill_at(self, point: KillPoint) -> bool:
-        """SIGKILL the process group `point.delay` seconds after the run reaches `point.after`;
-        False if it finished first."""
+        """SIGKILL the process group `point.delay` seconds after the run reaches `point.after`, or
+        when it reaches `point.before` if sooner (the load on the machine varies: this keeps the
+        kill between the same two points as in the uninterrupted run); False if it finished first."""
         reached = None
         while self.proc.poll() is None:
-            if reached is None and self.progress() >= point.after:
+            progress = self.progress()
+            if reached is None and progress >= point.after:
                 reached = time.monotonic()
-            if reached is not None and time.monotonic() - reached >= point.delay:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            if reached is not None and (time.monotonic() - reached >= point.delay or progress >= point.before):
+                self._kill()
                 return True
             time.sleep(POLL_S)
         return False
@@ -161,7 +175,12 @@ class Attempt:
         step = self.steps_logged(sid)
         if step is None:
             return sid, "its ranks starting, loading, resuming (no step logged yet)"
+        if step == getattr(self._config(sid), "steps", None):
+            return sid, "after its last step, before the export"
         return sid, f"step {step + 1} (step {step} logged)"
+
+    def _config(self, sid: str):
+        return load_resolved(self.run).stages()[sid]
 
     def _fresh(self, path: Path) -> bool:
         """Written by this attempt (not left by an earlier one)."""
@@ -177,8 +196,10 @@ def _inode(path: Path) -> int | None:
 
 def point_at(timeline: list[tuple[float, tuple[int, int]]], t: float) -> KillPoint:
     """Time t of the uninterrupted run as a point of progress."""
-    since, after = [(s, p) for s, p in timeline if s <= t][-1]
-    return KillPoint(t, after, t - since)
+    reached = [(s, p) for s, p in timeline if s <= t]
+    since, after = reached[-1]
+    before = timeline[len(reached)][1] if len(reached) < len(timeline) else (len(STAGE_IDS) + 1, 0)
+    return KillPoint(t, after, t - since, before)
 
 
 def kill_points(timeline: list[tuple[float, tuple[int, int]]], duration: float, kills: int,
@@ -200,8 +221,8 @@ def logged_steps(run_dir: Path) -> dict[str, list[int]]:
 
 
 def run_to_end(run_dir: Path, overrides: list[str], log: Path):
-    attempt = Attempt(run_dir, overrides, log)
-    timeline = attempt.watch()
+    with Attempt(run_dir, overrides, log) as attempt:
+        timeline = attempt.watch()
     if attempt.proc.returncode != 0:
         sys.exit(f"hpcr1 run {run_dir} failed (exit code {attempt.proc.returncode}); see {log}")
     return timeline, attempt.elapsed()
@@ -211,16 +232,20 @@ def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint]
     """Kill at each point in turn, resuming each time; returns the stages hit."""
     hit = []
     for number, point in enumerate(points, 1):
-        attempt = Attempt(run_dir, overrides, logs / f"attempt-{number:02d}.log")
         stage_index, steps = point.after
         where = f"{STAGE_IDS[stage_index] if stage_index < len(STAGE_IDS) else 'end'} step {steps} + {point.delay:4.1f}s"
-        if not attempt.kill_at(point):
-            print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  not made: the run finished first "
-                  f"(exit code {attempt.proc.returncode})", flush=True)
+        log = logs / f"attempt-{number:02d}.log"
+        with Attempt(run_dir, overrides, log) as attempt:
+            killed, seconds = attempt.kill_at(point), attempt.elapsed()
+        if not killed and attempt.proc.returncode != 0:
+            sys.exit(f"hpcr1 run {run_dir} failed (exit code {attempt.proc.returncode}) after kill {number - 1}; "
+                     f"see {log}")
+        if not killed:
+            print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  not made: the run finished first", flush=True)
             continue
         stage, what = attempt.interrupted()
         hit.append(stage)
-        print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  after {attempt.elapsed():5.1f}s of the attempt: "
+        print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  after {seconds:5.1f}s of the attempt: "
               f"{stage}: {what}", flush=True)
     return hit
 
