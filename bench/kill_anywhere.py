@@ -9,8 +9,9 @@ of progress, the last step or stage boundary reached before it plus the seconds 
 run that resumed from a checkpoint is killed at the same place in the work, not at the same
 wall-clock time. A second run directory is then killed at each point in turn (SIGKILL to the whole
 process group: driver, torchrun and ranks) and resumed with `hpcr1 run`, and finally run to the end.
-Every stage's final weights and the synthetic data must equal the uninterrupted run's (sha256), and
-every stage's metrics.jsonl must hold each step exactly once.
+Every stage's final weights and the synthetic data must equal the uninterrupted run's (sha256),
+every stage's metrics.jsonl must hold each step exactly once, and no process of the run may
+outlive a kill.
 
 Prints, per kill: its time in the uninterrupted run, the point it was mapped to, and what it
 interrupted (read from the manifest and the files the killed attempt left); then the verdict.
@@ -40,6 +41,7 @@ from pipeline.rundir import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 POLL_S = 0.05
+OUTLIVE_S = 5.0  # the kernel ends a killed group's processes at once; this is ample
 SFT = {"global_batch_size": 16, "micro_batch_size": 4, "warmup_steps": 2, "steps": 6, "checkpoint_every": 2}
 GRPO = {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 48, "steps": 4, "checkpoint_every": 2}
 # The embedded default, a few steps a stage. One-digit sums: thirty SFT steps teach the answer
@@ -86,6 +88,7 @@ class Attempt:
         # (re)start its stage, and only then do its lines say what this attempt has done.
         self.stale_metrics = {sid: _inode(self.run.metrics(sid)) for sid in STAGE_IDS}
         self.launched = self._attempts()
+        self.outlived: list[int] = []
         cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--run-dir", str(run_dir), *overrides]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(log, "w") as out:
@@ -103,6 +106,17 @@ class Attempt:
     def _kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        self.outlived = self._outliving()
+        for pid in self.outlived:  # so that they cannot disturb the attempts that follow
+            os.kill(pid, signal.SIGKILL)
+
+    def _outliving(self) -> list[int]:
+        """Processes of this run (their command line names its directory) still there a few seconds
+        after the process group was killed: ranks that torchrun put in sessions of their own."""
+        deadline = time.monotonic() + OUTLIVE_S
+        while (left := _running_with_arg(str(self.run.root))) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return left
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -187,6 +201,17 @@ class Attempt:
         return path.exists() and path.stat().st_mtime >= self.started_wall
 
 
+def _running_with_arg(arg: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if arg.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
 def _inode(path: Path) -> int | None:
     try:
         return path.stat().st_ino
@@ -228,9 +253,11 @@ def run_to_end(run_dir: Path, overrides: list[str], log: Path):
     return timeline, attempt.elapsed()
 
 
-def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint], logs: Path) -> list[str]:
-    """Kill at each point in turn, resuming each time; returns the stages hit."""
-    hit = []
+def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint],
+                    logs: Path) -> tuple[list[str], int]:
+    """Kill at each point in turn, resuming each time; returns the stages hit and the number of
+    kills that left processes of the run running."""
+    hit, outlived = [], 0
     for number, point in enumerate(points, 1):
         stage_index, steps = point.after
         where = f"{STAGE_IDS[stage_index] if stage_index < len(STAGE_IDS) else 'end'} step {steps} + {point.delay:4.1f}s"
@@ -247,7 +274,10 @@ def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint]
         hit.append(stage)
         print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  after {seconds:5.1f}s of the attempt: "
               f"{stage}: {what}", flush=True)
-    return hit
+        if attempt.outlived:
+            outlived += 1
+            print(f"         OUTLIVED THE KILL: processes {attempt.outlived} were still running", flush=True)
+    return hit, outlived
 
 
 def verdict(reference: Path, killed: Path) -> bool:
@@ -281,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"uninterrupted run: {duration:.1f}s", flush=True)
     (out / "logs" / "uninterrupted-progress.json").write_text(json.dumps(timeline))
     points = kill_points(timeline, duration, args.kills, random.Random(args.seed))
-    hit = kill_and_resume(out / "killed", overrides, points, out / "logs")
+    hit, outlived = kill_and_resume(out / "killed", overrides, points, out / "logs")
     run_to_end(out / "killed", overrides, out / "logs" / "final-resume.log")
-    ok = verdict(out / "uninterrupted", out / "killed")
+    ok = verdict(out / "uninterrupted", out / "killed") and not outlived
     print(f"{len(hit)} kills of {len(points)} made; stages hit: {dict(collections.Counter(hit))}; "
-          f"{'all identical' if ok else 'MISMATCH'}")
+          f"{outlived} left processes running; {'all identical' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 
