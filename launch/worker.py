@@ -3,9 +3,11 @@ srun or mpirun. Discovers its rank, joins the process group, runs the stage, lea
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -24,6 +26,20 @@ def redirect_output(log_dir: Path, rank: int):
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     return terminal
+
+
+def die_with_launcher() -> None:
+    """torchrun starts every rank in a session of its own, so a SIGKILL to the process group of
+    `hpcr1 run` (kill -9 -PGID, a job step killed by its scheduler) ends the driver and torchrun
+    but not the ranks: they went on writing checkpoints and final/ next to the attempt that resumed
+    the stage. Ask the kernel to SIGKILL this rank when the process that started it dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before the request was made
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,4 +82,5 @@ def stage_runner(ctx):
 
 
 if __name__ == "__main__":
+    die_with_launcher()
     main()

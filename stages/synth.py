@@ -1,7 +1,8 @@
 """Synthetic data (stage3_synth) by rejection sampling: an earlier stage's model answers the first
 `num_prompts` prompts `samples_per_prompt` times each; only answers that the task's reward scores
 correct AND well-formed are kept, deduplicated and capped per prompt, and written as JSONL with
-provenance (prompt id, sample index, reward, and the generating model's path and checksum).
+provenance (prompt id, sample index, reward, and the generating model's checksum and its path
+relative to the run directory, so that the dataset's bytes do not depend on where the run lives).
 
 Work is spread dynamically: batches of prompts are taken from a counter in the process group's
 store, so a rank that finishes early takes the next batch instead of idling. Each batch samples
@@ -125,7 +126,7 @@ def write_outputs(ctx: StageContext, prompts: list[Example], gathered: list, mod
     if not kept:
         raise RuntimeError(f"none of the {sampled} answers of {model_dir} was correct and well-formed: "
                            "there is no data for the SFT stage that reads this one")
-    model = {"path": str(model_dir), "sha256": file_sha256(model_dir / "model.safetensors")}
+    model = {"path": str(model_dir.relative_to(run.root)), "sha256": file_sha256(model_dir / "model.safetensors")}
     examples = [Example(f"{prompts[c.prompt_index].id}-s{c.sample_index}", prompts[c.prompt_index].prompt,
                         prompts[c.prompt_index].answer, c.response) for c in kept]
     provenance = [{"prompt_id": prompts[c.prompt_index].id, "sample_index": c.sample_index, "reward": c.reward,

@@ -5,8 +5,9 @@ Answers are compared cheaply first: the same text, or the same number (big integ
 exactly, never through float). Anything else (LaTeX, fractions, expressions) goes to `math_verify`,
 never to `eval`. math_verify's time is unbounded (sympy on 9^{9^{9}} never returns, and its own
 SIGALRM timeouts work only on the main thread and cannot interrupt C code), so it runs in a child
-process that is killed when a comparison takes too long: the bound holds on any thread.
-`score` never raises.
+process that the kernel ends when a comparison has used up its CPU time: the bound holds on any
+thread, and it is CPU time, not wall-clock time, so that a busy machine does not turn right answers
+into wrong ones (the same response must get the same reward in every run). `score` never raises.
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)")
 THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
 MAX_NUMBER_CHARS = 10_000   # exact comparison of numbers this long still takes microseconds
 MAX_SYMBOLIC_CHARS = 512    # longer answers are compared as text only, never parsed
-SYMBOLIC_TIMEOUT_S = 0.5    # per math_verify comparison; a slower one scores incorrect
-WORKER_START_TIMEOUT_S = 60.0  # importing sympy on a busy node
+SYMBOLIC_CPU_S = 0.5        # CPU time per math_verify comparison; a costlier one scores incorrect
+# A worker that neither answers nor dies (its CPU budget ends any computation) is hung.
+WORKER_HUNG_S = 600.0
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,7 @@ class _SymbolicWorker:
                 return False
             if self.proc is None and not self._start():
                 return False
-            reply = self._ask(json.dumps([truth, predicted]) + "\n", SYMBOLIC_TIMEOUT_S)
+            reply = self._ask(json.dumps([truth, predicted]) + "\n")
             if reply is None:
                 self.stop()
             return reply == "1"
@@ -108,9 +110,9 @@ class _SymbolicWorker:
     def _start(self) -> bool:
         script = Path(__file__).with_name("symbolic_worker.py")
         try:
-            self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, str(script), str(SYMBOLIC_CPU_S)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
-            ready = self._ask("", WORKER_START_TIMEOUT_S) == "ready"
+            ready = self._ask("") == "ready"
         except OSError:
             ready = False
         if not ready:
@@ -120,12 +122,12 @@ class _SymbolicWorker:
             self.unavailable = True
         return ready
 
-    def _ask(self, request: str, timeout_s: float) -> str | None:
-        """Send a request and read one line back, or None if the worker died or is too slow."""
+    def _ask(self, request: str) -> str | None:
+        """Send a request and read one line back, or None if the worker died (out of CPU time) or hung."""
         try:
             self.proc.stdin.write(request)
             self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+            ready, _, _ = select.select([self.proc.stdout], [], [], WORKER_HUNG_S)
             line = self.proc.stdout.readline() if ready else ""
         except (OSError, ValueError):  # a dead worker's pipes
             return None

@@ -1,6 +1,8 @@
 """math_verify's comparison in a process of its own, for stages/rewards/math_reward.py: "ready" once,
-then for each JSON [gold, predicted] line in, "1" or "0" a line out. The parent kills this process
-when a comparison takes too long, so math_verify's own timeouts (SIGALRM) are turned off here."""
+then for each JSON [gold, predicted] line in, "1" or "0" a line out. Each comparison may use
+`argv[1]` seconds of CPU time: then SIGPROF, left at its default action, ends this process even
+inside C code, and the parent scores the answer incorrect. math_verify's own timeouts (SIGALRM,
+wall-clock) are turned off here."""
 import json
 import logging
 import signal
@@ -23,10 +25,15 @@ def main() -> None:
         except Exception:  # a malformed expression is a wrong answer
             return False
 
+    cpu_budget_s = float(sys.argv[1])
+    matches("\\frac{1}{2}", "0.5")  # math_verify's lazy set-up, outside every comparison's budget
     print("ready", file=replies, flush=True)
     for line in sys.stdin:
         gold, predicted = json.loads(line)
-        print(int(matches(gold, predicted)), file=replies, flush=True)
+        signal.setitimer(signal.ITIMER_PROF, cpu_budget_s)
+        result = matches(gold, predicted)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        print(int(result), file=replies, flush=True)
 
 
 if __name__ == "__main__":

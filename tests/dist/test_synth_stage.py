@@ -46,7 +46,7 @@ def test_synthetic_data_is_correct_distinct_capped_and_traced_to_stage2(synth_ru
         truth = sum(int(x) for x in row["prompt"].rstrip("=").split("+"))
         assert re.fullmatch(rf"<think>[ab]</think><answer>{truth}</answer>", row["response"]), row
         assert row["answer"] == str(truth) and row["id"].startswith(row["prompt_id"])
-        assert row["model"] == {"path": str(stage2_model), "sha256": file_sha256(stage2_model / "model.safetensors")}
+        assert row["model"] == {"path": "stage2_grpo/final", "sha256": file_sha256(stage2_model / "model.safetensors")}
     assert max(Counter(r["prompt_id"] for r in rows).values()) <= MAX_PER_PROMPT
     assert len({(r["prompt_id"], r["response"]) for r in rows}) == len(rows), "duplicates were kept"
 

@@ -1,0 +1,30 @@
+"""The whole pipeline killed with SIGKILL (driver, torchrun and ranks) inside a step of three stages,
+each time after a checkpoint so that resuming repeats steps, and resumed with `hpcr1 run`: the
+weights of every stage and the synthetic data equal an uninterrupted run's byte for byte, each
+step is logged once, and no rank outlives a kill. The harness is bench/kill_anywhere.py's, at three chosen points."""
+from __future__ import annotations
+
+import pytest
+
+from bench.kill_anywhere import kill_and_resume, pipeline_overrides, point_at, run_to_end, verdict
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+# (stage index, steps logged): one step past a checkpoint of stage1_sft (every 10 steps),
+# stage2_grpo and stage3_sft (every 2).
+KILLED_AFTER = [(0, 11), (1, 3), (3, 3)]
+
+
+@pytest.mark.timeout(3600)
+def test_killed_pipeline_resumes_to_the_uninterrupted_weights(tmp_path):
+    overrides = pipeline_overrides(nproc=2)
+    timeline, _ = run_to_end(tmp_path / "uninterrupted", overrides, tmp_path / "uninterrupted.log")
+    reached = {progress: t for t, progress in reversed(timeline)}
+    points = [point_at(timeline, reached[after] + 0.1) for after in KILLED_AFTER]
+
+    hit, outlived = kill_and_resume(tmp_path / "killed", overrides, points, tmp_path)
+    run_to_end(tmp_path / "killed", overrides, tmp_path / "final-resume.log")
+
+    assert hit == ["stage1_sft", "stage2_grpo", "stage3_sft"], "a kill missed its stage: nothing was tested there"
+    assert outlived == 0, "ranks outlived the SIGKILL of `hpcr1 run`'s process group"
+    assert verdict(tmp_path / "uninterrupted", tmp_path / "killed")
