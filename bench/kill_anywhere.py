@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from launch.local import repo_env  # noqa: E402
 from pipeline.atomic import tree_checksums  # noqa: E402
 from pipeline.config import STAGE_IDS, load_resolved  # noqa: E402
 from pipeline.rundir import RunDir  # noqa: E402
@@ -90,9 +91,8 @@ class Attempt:
         self.launched = self._attempts()
         self.outlived: list[int] = []
         cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--run-dir", str(run_dir), *overrides]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def __enter__(self) -> Attempt:

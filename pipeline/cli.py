@@ -206,6 +206,7 @@ def cmd_plan(args) -> int:
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, parse_gpus, plan
     from launch.cluster import load_profile
+    from pipeline.atomic import atomic_write_text
     from pipeline.config import ConfigError, load_config
 
     gpus = parse_gpus(args.gpus)
@@ -218,7 +219,7 @@ def cmd_plan(args) -> int:
     machine = Machine.from_profile(load_profile(args.cluster), args.gpu_memory_gib)
     plans = plan(cfg, shape, machine, gpus, args.prompt_tokens)
     out = Path(args.out or f"plan-{cfg.name}.md")
-    out.write_text(plan_report.render_markdown(cfg.name, shape, machine, plans))
+    atomic_write_text(out, plan_report.render_markdown(cfg.name, shape, machine, plans))
     if args.json:
         print(json.dumps(plan_report.plan_json(cfg.name, shape, machine, plans), indent=2))
     else:
