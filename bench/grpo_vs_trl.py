@@ -31,19 +31,13 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
     """TRL's GRPOTrainer on the run's stage-2 starting model and prompts, with our reward, one process."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline.config import load_resolved
-    from pipeline.rundir import RunDir
     from stages.data.examples import read_examples
     from stages.rewards.math_reward import score
 
-    run = RunDir(versus.Path(run_dir))
-    cfg = load_resolved(run)
-    stage = cfg.stage2_grpo
-    torch.manual_seed(cfg.seed)
-    model_dir = run.model_dir(stage.init_from)
+    run, cfg, stage, model_dir = versus.peer_setup(run_dir, STAGE)
     prompts = read_examples(run.task_file("prompts"))
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ex.prompt}] for ex in prompts],
                               "answer": [ex.answer for ex in prompts]})
@@ -57,31 +51,23 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
                       lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=stage.grad_clip,
                       max_steps=int(steps) * updates, use_cpu=True, bf16=False, logging_steps=1 << 30,
                       save_strategy="no", report_to=[], seed=cfg.seed, dataloader_num_workers=0)
-    generated, per_rollout = [0], []
+    generated = [0]
 
     def reward(completions, answer, completion_ids, **_):
         generated[0] += sum(len(ids) for ids in completion_ids)
         return [score(c[0]["content"], a, format_weight=stage.format_reward).reward for c, a in zip(completions, answer)]
 
-    clock = versus.StepClock(every=updates)
+    def take_units() -> dict:
+        units = {"samples": samples, "generated tokens": generated[0]}
+        generated[0] = 0
+        return units
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            clock.start()
-
-        def on_step_end(self, *a, **kw):
-            clock.tick()
-            if clock.count % updates == 0:
-                per_rollout.append(generated[0])
-                generated[0] = 0
-
+    clock = versus.trainer_clock(updates, take_units)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
-                callbacks=[Clock()]).train()
-    versus.write_steps(out, [Step(s, {"samples": samples, "generated tokens": n})
-                             for s, n in zip(clock.seconds, per_rollout)])
-
+                callbacks=[clock]).train()
+    versus.write_steps(out, clock.steps)
 
 def stage1_model(run, nproc: int, threads: int) -> None:
     """Train the stage-1 model GRPO starts from, unless the run directory has it."""
@@ -96,7 +82,7 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=300, help="stage-1 steps when --model is not given")
     args = p.parse_args()
     total = args.warmup + args.steps
-    start = ([f"model.source=hf", f"model.path={versus.Path(args.model).resolve()}", f"{STAGE}.init_from=base"]
+    start = (["model.source=hf", f"model.path={versus.Path(args.model).resolve()}", f"{STAGE}.init_from=base"]
              if args.model else [f"stage1_sft.steps={args.sft_steps}", f"{STAGE}.init_from=stage1_sft"])
     overrides = [*start, f"{STAGE}.steps={total}", f"{STAGE}.checkpoint_every={total}", "eval.num_examples=10",
                  *args.overrides]

@@ -24,19 +24,13 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
     """TRL's SFTTrainer on the run's base model and curated data, one process."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from pipeline.config import load_resolved
-    from pipeline.rundir import RunDir
     from stages.data.examples import read_examples
     from stages.data.sft_batches import tokenize_examples
 
-    run = RunDir(versus.Path(run_dir))
-    cfg = load_resolved(run)
-    stage = cfg.stage1_sft
-    torch.manual_seed(cfg.seed)
-    model_dir = run.model_dir(stage.init_from)
+    run, cfg, stage, model_dir = versus.peer_setup(run_dir, STAGE)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = tokenize_examples(tokenizer, read_examples(run.task_file("sft")), stage.max_seq_len)
     data = Dataset.from_dict({"input_ids": [s.input_ids for s in samples],
@@ -49,26 +43,21 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
                      logging_steps=1 << 30, save_strategy="no", report_to=[], seed=cfg.seed,
                      dataloader_num_workers=0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    clock, trained_tokens = versus.StepClock(), []
-    counted = [0]
+    trained_tokens = [0]
+
+    def take_units() -> dict:
+        units = {"trained tokens": trained_tokens[0], "samples": stage.global_batch_size}
+        trained_tokens[0] = 0
+        return units
 
     class Trainer(SFTTrainer):
-        def compute_loss(self, model, inputs, *a, **kw):
-            counted[0] += int((inputs["labels"][:, 1:] != -100).sum())  # label 0 is never predicted
-            return super().compute_loss(model, inputs, *a, **kw)
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            trained_tokens[0] += int((inputs["labels"][:, 1:] != -100).sum())  # label 0 is never predicted
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            clock.start()
-
-        def on_step_end(self, *a, **kw):
-            clock.tick()
-            trained_tokens.append(counted[0])
-            counted[0] = 0
-
-    Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Clock()]).train()
-    versus.write_steps(out, [Step(s, {"trained tokens": n, "samples": stage.global_batch_size})
-                             for s, n in zip(clock.seconds, trained_tokens)])
+    clock = versus.trainer_clock(1, take_units)
+    Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[clock]).train()
+    versus.write_steps(out, clock.steps)
 
 
 def main() -> None:

@@ -87,23 +87,41 @@ def write_steps(path: str, steps: list[Step]) -> None:
     Path(path).write_text("".join(json.dumps({"seconds": s.seconds, "units": s.units}) + "\n" for s in steps))
 
 
-class StepClock:
-    """Wall time between consecutive ends of `every` optimizer steps, for a transformers Trainer
-    (call `tick` from a callback's on_step_end)."""
+def peer_setup(run_dir: str, stage_id: str):
+    """The peer's view of our run directory: (run, resolved config, the stage's section, the stage's
+    starting model directory), with torch seeded as our stage is."""
+    import torch
 
-    def __init__(self, every: int = 1):
-        self.every, self.count, self.last = every, 0, time.perf_counter()
-        self.seconds: list[float] = []
+    from pipeline.config import load_resolved
 
-    def start(self) -> None:
-        self.last = time.perf_counter()
+    run = RunDir(Path(run_dir))
+    cfg = load_resolved(run)
+    stage = getattr(cfg, stage_id)
+    torch.manual_seed(cfg.seed)
+    return run, cfg, stage, run.model_dir(stage.init_from)
 
-    def tick(self) -> None:
-        self.count += 1
-        if self.count % self.every == 0:
-            now = time.perf_counter()
-            self.seconds.append(now - self.last)
-            self.last = now
+
+def trainer_clock(every: int, take_units):
+    """A transformers TrainerCallback that records a Step every `every` optimizer steps: the wall
+    time since the previous one (or since training began) and take_units(), what they processed."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[Step] = []
+            self.count, self.last = 0, time.perf_counter()
+
+        def on_train_begin(self, *args, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.count += 1
+            if self.count % every == 0:
+                now = time.perf_counter()
+                self.steps.append(Step(now - self.last, take_units()))
+                self.last = now
+
+    return Clock()
 
 
 def throughput(steps: list[Step], warmup: int, unit: str) -> float:
