@@ -141,22 +141,23 @@ def scaling_figure(stage: str, points: list[ScalePoint], path: Path) -> Path:
     fig, (thr, eff, comm) = figures.plt.subplots(1, 3, figsize=(12, 3.6))
     thr.plot(gpus, [p.samples_per_s for p in points], "o-", label="measured")
     thr.plot(gpus, [points[0].per_gpu * n for n in gpus], "--", color="grey", label="ideal (linear)")
-    thr.set_ylabel("samples/s (all GPUs)")
-    thr.set_yscale("log")
-    thr.legend(fontsize=8)
+    label_points(thr, gpus, [p.samples_per_s for p in points], "{:.3g}")
+    thr.set_ylim(0, max(points[0].per_gpu * gpus[-1], *(p.samples_per_s for p in points)) * 1.15)
+    thr.set_ylabel("samples/s, all GPUs together")
+    thr.legend(fontsize=8, loc="upper left")
     thr.set_title("throughput")
     eff.plot(gpus, [p.efficiency * 100 for p in points], "o-")
     eff.axhline(100, linestyle="--", color="grey")
     eff.set_ylim(0, max(110, *(p.efficiency * 110 for p in points)))
-    eff.set_ylabel(f"% of per-GPU throughput at {gpus[0]} GPUs")
+    eff.set_ylabel(f"% of per-GPU throughput at {gpus[0]} GPU{'s' if gpus[0] > 1 else ''}")
     eff.set_title("weak-scaling efficiency")
     measured = [p for p in points if p.comm_fraction is not None]
     comm.plot([p.gpus for p in measured], [p.comm_fraction * 100 for p in measured], "o-", color="C3")
     comm.set_ylim(0, 100)
     comm.set_ylabel("% of step time blocked in communication")
     comm.set_title("communication fraction" + ("" if measured else " (not measured)"))
-    label_points(eff, gpus, [p.efficiency * 100 for p in points])
-    label_points(comm, [p.gpus for p in measured], [p.comm_fraction * 100 for p in measured])
+    label_points(eff, gpus, [p.efficiency * 100 for p in points], "{:.0f}%")
+    label_points(comm, [p.gpus for p in measured], [p.comm_fraction * 100 for p in measured], "{:.0f}%")
     for ax in (thr, eff, comm):
         ax.set_xscale("log", base=2)
         ax.set_xticks(gpus, [str(n) for n in gpus])
@@ -166,6 +167,6 @@ def scaling_figure(stage: str, points: list[ScalePoint], path: Path) -> Path:
     return figures.save(fig, path)
 
 
-def label_points(ax, xs: list[int], percents: list[float]) -> None:
-    for x, y in zip(xs, percents):
-        ax.annotate(f"{y:.0f}%", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+def label_points(ax, xs: list[int], ys: list[float], fmt: str) -> None:
+    for x, y in zip(xs, ys):
+        ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
