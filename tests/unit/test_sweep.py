@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from analysis.scaling import comm_fraction
+from analysis.scaling import comm_fraction, scaling
 from pipeline.cli import main
 from pipeline.config import dump_config, load_config
 from tests.conftest import REPO
@@ -118,3 +118,45 @@ def test_comm_fraction_counts_blocked_time_inside_steps_only(tmp_path):
     rank0, rank1 = 0.2 + 0.1 + 0.2 + 0.1, 0.5
     assert comm_fraction(tmp_path, windows, gpus=2) == pytest.approx((rank0 / 2 + rank1 / 2) / 2)
     assert comm_fraction(tmp_path, windows, gpus=3) is None  # a rank's profile is missing
+
+
+def test_only_submits_the_stages_named(tmp_path):
+    assert sweep(tmp_path, "--gpus", "16,32", "--per-gpu-batch", "4", "--cluster", "perlmutter", "--dry-run",
+                 "--only", "stage1_sft") == 0
+    for n in (16, 32):
+        scripts = sorted((tmp_path / "sweep" / f"gpus-{n:04d}").glob("*/logs/*.sbatch"))
+        assert [s.name for s in scripts] == ["stage1_sft.sbatch"]
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["only"] == ["stage1_sft"]
+
+
+def write_run(run: Path, nproc: int, stage: str, metrics: list[dict]) -> None:
+    (run / stage).mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump({"nproc": nproc, "profile": {"comm": False}}))
+    (run / stage / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def test_grpo_and_synthesis_throughput_and_efficiency(tmp_path):
+    """GRPO: samples over every step but the first, over their time; synthesis: answers sampled over
+    the slowest rank's generation time; efficiency against the smallest scale."""
+    grpo = {2: [(9.0, 1.0), (8.0, 2.0), (4.0, 2.0)], 4: [(9.0, 1.0), (10.0, 3.2), (20.0, 1.6)]}  # (samples/s, s)
+    synth = {2: ([5.0, 4.0], 40), 4: ([5.0, 8.0], 64)}  # (generation seconds per rank, answers sampled)
+    for n in (2, 4):
+        write_run(tmp_path / f"n{n}", n, "stage2_grpo", [{"step": i + 1, "samples_per_s": r, "step_time_s": t}
+                                                           for i, (r, t) in enumerate(grpo[n])])
+        write_run(tmp_path / f"n{n}", n, "stage3_synth",
+                  [{"step": 1, "generation_time_s_per_rank": synth[n][0], "sampled": synth[n][1]}])
+    stages, left_out = scaling([tmp_path / "n4", tmp_path / "n2"], ["n4", "n2"])
+    assert left_out == []
+    g2, g4 = stages["stage2_grpo"]
+    assert (g2.gpus, g4.gpus) == (2, 4)  # smallest first
+    assert g2.samples_per_s == pytest.approx((16 + 8) / 4) and g4.samples_per_s == pytest.approx((32 + 32) / 4.8)
+    assert g4.efficiency == pytest.approx((64 / 4.8 / 4) / (6 / 2)) and g2.efficiency == 1.0
+    assert g2.comm_fraction is None  # the runs did not profile
+    s2, s4 = stages["stage3_synth"]
+    assert s2.samples_per_s == pytest.approx(40 / 5) and s4.samples_per_s == pytest.approx(64 / 8)
+    assert s4.efficiency == pytest.approx((8 / 4) / (8 / 2))
+
+
+def test_metrics_without_throughput_are_named_not_guessed(tmp_path):
+    write_run(tmp_path / "old", 2, "stage1_sft", [{"step": 1, "loss": 1.0, "step_time_s": 0.1}])
+    assert scaling([tmp_path / "old"], ["old"]) == ({}, ["old/stage1_sft"])
