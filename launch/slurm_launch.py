@@ -38,12 +38,13 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}", *worker]
 
 
-def run_stage_in_allocation(run_dir: Path, stage_id: str) -> int:
+def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, ...] = ()) -> int:
+    """srun's exit code. `pass_fds`: descriptors srun inherits (the run directory's lock)."""
     env = repo_env()
     env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
     env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
     # srun passes USR1 on to every task: a rank, or launch.torchrun, which passes it to its ranks.
-    return run_forwarding_usr1(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env)
+    return run_forwarding_usr1(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env, pass_fds)
 
 
 def requeue_self() -> None:
