@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sb.set_defaults(func=cmd_submit)
 
+    sw = sub.add_parser("sweep", help="weak scaling: one run per GPU count, the batch per GPU fixed")
+    sw.add_argument("config")
+    sw.add_argument("--gpus", required=True, help="GPU (rank) counts, comma-separated, e.g. 16,32,64,128")
+    sw.add_argument("--per-gpu-batch", type=int, required=True,
+                    help="SFT sequences per data-parallel rank, GRPO prompts per rank (pipeline/sweep.py)")
+    sw.add_argument("--cluster", help="submit every scale to this cluster (default: run them here, one by one)")
+    sw.add_argument("--sweep-dir", help="default: runs/<name>-sweep")
+    sw.add_argument("--only", help="comma-separated stage ids")
+    sw.add_argument("--dry-run", action="store_true",
+                    help="write the run directories (and sbatch scripts with --cluster), run or submit nothing")
+    sw.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    sw.set_defaults(func=cmd_sweep)
+
     rs = sub.add_parser("resume", help="continue a run from its first stage that is not done")
     rs.add_argument("run_dir")
     rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
@@ -162,6 +175,24 @@ def cmd_submit(args) -> int:
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
     submit(cfg, run, Path(args.config).parent, load_profile(args.cluster), args.nodes, args.dry_run)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from launch.cluster import load_profile
+    from pipeline.driver import StageFailed
+    from pipeline.sweep import parse_gpu_counts, plan_sweep, run_sweep
+
+    only = args.only.split(",") if args.only else None
+    profile = load_profile(args.cluster) if args.cluster else None
+    sweep = plan_sweep(Path(args.config), args.overrides, parse_gpu_counts(args.gpus), args.per_gpu_batch,
+                       Path(args.sweep_dir) if args.sweep_dir else None, only, profile)
+    try:
+        run_sweep(sweep, args.dry_run)
+    except StageFailed as e:
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return 1
+    print(f"sweep directory: {sweep.root} (hpcr1 report {sweep.root})")
     return 0
 
 

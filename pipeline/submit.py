@@ -22,26 +22,26 @@ from pipeline.runlock import hold_run_dir
 
 
 def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
-           dry_run: bool, echo=print) -> dict[str, str]:
-    """Returns {stage id: job id} (script paths on a dry run)."""
+           dry_run: bool, echo=print, only: list[str] | None = None) -> dict[str, str]:
+    """Returns {stage id: job id} (script paths on a dry run); `only` limits it to those stages."""
     if nodes < 1:
         raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
     world = nodes * profile.tasks_per_node()
     if world != cfg.nproc:
         raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
                           f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
-    task = check_run(cfg, config_dir)
+    task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
-        return _submit_stages(cfg, run, profile, nodes, dry_run, echo)
+        return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
 
 
 def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: int, dry_run: bool,
-                   echo) -> dict[str, str]:
+                   echo, only: list[str] | None) -> dict[str, str]:
     manifest = Manifest(run.root)
     submitted: dict[str, str] = {}
     previous = None
-    for sid in stages_to_run(cfg, run, manifest):
+    for sid in [sid for sid in stages_to_run(cfg, run, manifest) if not only or sid in only]:
         script = run.logs(sid) / f"{sid}.sbatch"
         atomic_write_text(script, render_stage_script(profile, run.root.resolve(), sid, nodes))
         cmd = sbatch_command(script, run.root.resolve(), sid, previous)
