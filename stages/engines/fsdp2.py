@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
-from stages.models.convert import save_hf_dir
+from stages.models.hf_files import save_hf_dir
 
 TRAINER_STATE = "trainer_state.json"
 

@@ -1,6 +1,7 @@
 """Worker: on 2 ranks, for TP=2 and then PP=2, megatron's logits, loss and gradients vs Hugging
-Face's on the same weights (computed here, on every rank), the gathered shards converted back to
-the HF weights, and the RNG tracker's streams. Rank 0 prints every rank's findings as
+Face's on the same weights (computed here, on every rank; the megatron model streams its shard
+from a sharded HF directory), the gathered shards converted back to the HF weights, the streamed
+export read back, and the RNG tracker's streams. Rank 0 prints every rank's findings as
 `RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
 import json
 import sys
@@ -15,8 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
-from stages.models.convert import (gather_megatron_shards, gather_shards, load_hf_into_megatron, megatron_to_hf,
-                                   save_hf_dir)
+from stages.models.convert import (export_megatron_to_hf, gather_megatron_shards, gather_shards, load_hf_into_megatron,
+                                   megatron_to_hf)
+from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
@@ -24,6 +26,7 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_at
                      tie_word_embeddings=False, rms_norm_eps=1e-5)
 SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
 LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
+SHARD_BYTES = 50_000  # several files and an index, as a big model's directory has
 FINDINGS = []  # this rank's {"layout", "check", "value"}
 
 
@@ -136,7 +139,7 @@ def check_rng_streams(layout: str) -> None:
                                "default_equal": torch.equal(a_default, b_default)})
 
 
-def check_layout(tp: int, pp: int, hf_dir: Path) -> None:
+def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     layout = f"tp{tp}pp{pp}"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -158,6 +161,11 @@ def check_layout(tp: int, pp: int, hf_dir: Path) -> None:
         back, expected = megatron_to_hf(shards, CONFIG), hf.state_dict()
         report(layout, "gather_exact", back.keys() == expected.keys() and all(
             torch.equal(back[k], v) for k, v in expected.items()))
+    export_megatron_to_hf(model, CONFIG, out / layout, max_shard_bytes=SHARD_BYTES)
+    if dist.get_rank() == 0:
+        back, expected = read_hf_weights(out / layout), hf.state_dict()
+        report(layout, "export_exact", back.keys() == expected.keys() and all(
+            torch.equal(back[k], v) for k, v in expected.items()))
     if tp > 1:
         check_rng_streams(layout)
     parallel_state.destroy_model_parallel()
@@ -168,10 +176,10 @@ def main():
     init_distributed()
     apply_cpu_shim()
     if dist.get_rank() == 0:
-        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf")
+        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf", max_shard_bytes=SHARD_BYTES)
     dist.barrier()
     for tp, pp in ((2, 1), (1, 2)):
-        check_layout(tp, pp, out / "hf")
+        check_layout(tp, pp, out / "hf", out)
     print_findings_on_rank0()
     dist.destroy_process_group()
 
