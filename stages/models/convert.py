@@ -151,8 +151,9 @@ def model_units(hf_config, pp_size: int) -> list[Unit]:
     return [Unit(0, "embedding"), *layers, Unit(pp_size - 1, "head")]
 
 
-def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> dict[str, torch.Tensor]:
-    """The HF tensors of one unit from its megatron tensors on each TP rank (tp_shards[tp_rank])."""
+def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of one unit, one at a time, from its megatron tensors on each TP rank
+    (tp_shards[tp_rank])."""
 
     def rows(key):
         return torch.cat([s[key] for s in tp_shards], dim=0)
@@ -161,21 +162,22 @@ def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> dict[str, torch.
         return torch.cat([s[key] for s in tp_shards], dim=1)
 
     if unit.kind == "embedding":
-        return {"model.embed_tokens.weight": rows("embedding.word_embeddings.weight")}
+        yield "model.embed_tokens.weight", rows("embedding.word_embeddings.weight")
+        return
     if unit.kind == "head":
-        return {"model.norm.weight": tp_shards[0]["decoder.final_layernorm.weight"],
-                "lm_head.weight": rows("output_layer.weight")}
+        yield "model.norm.weight", tp_shards[0]["decoder.final_layernorm.weight"]
+        yield "lm_head.weight", rows("output_layer.weight")
+        return
     h, m = HF_LAYER.format(unit.layer), MG_LAYER.format(unit.local)
-    hf = dict(zip((h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"),
-                  split_qkv(rows(m + "self_attention.linear_qkv.weight"), hf_config)))
-    hf[h + "self_attn.o_proj.weight"] = cols(m + "self_attention.linear_proj.weight")
+    yield from zip((h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"),
+                   split_qkv(rows(m + "self_attention.linear_qkv.weight"), hf_config))
+    yield h + "self_attn.o_proj.weight", cols(m + "self_attention.linear_proj.weight")
     gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in tp_shards]
-    hf[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
-    hf[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
-    hf[h + "mlp.down_proj.weight"] = cols(m + "mlp.linear_fc2.weight")
-    hf[h + "input_layernorm.weight"] = tp_shards[0][m + "input_layernorm.weight"]
-    hf[h + "post_attention_layernorm.weight"] = tp_shards[0][m + "pre_mlp_layernorm.weight"]
-    return hf
+    yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in gate_up])
+    yield h + "mlp.up_proj.weight", torch.cat([u for _, u in gate_up])
+    yield h + "mlp.down_proj.weight", cols(m + "mlp.linear_fc2.weight")
+    yield h + "input_layernorm.weight", tp_shards[0][m + "input_layernorm.weight"]
+    yield h + "post_attention_layernorm.weight", tp_shards[0][m + "pre_mlp_layernorm.weight"]
 
 
 def megatron_to_hf(shards: list[list[dict]], hf_config) -> dict[str, torch.Tensor]:
@@ -260,36 +262,65 @@ def gather_megatron_shards(model: torch.nn.Module) -> list[list[dict]] | None:
     return gather_shards(_weights(model))
 
 
-def _gather_unit(unit: Unit, weights: dict[str, torch.Tensor]) -> list[dict] | None:
-    """The unit's megatron tensors of every TP rank of its stage (data-parallel replica 0), on
-    global rank 0 as [tp_rank] -> {key: tensor} (None elsewhere). Every rank must call it."""
-    tp_rank, tp_size, pp_rank, _ = _parallel_ranks()
-    mine = None
-    if parallel_state.get_data_parallel_rank() == 0 and pp_rank == unit.pp:
-        mine = (tp_rank, {k: weights[k].detach().cpu() for k in unit.megatron_keys()})
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is None:
+def megatron_shape(pieces: list[Piece], hf_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of the megatron tensor the pieces make (hf_shapes: every HF tensor's shape)."""
+    if pieces[0].dim == 1:
+        return hf_shapes[pieces[0].hf_name][0], pieces[0].stop - pieces[0].start
+    return sum(p.stop - p.start for p in pieces), *hf_shapes[pieces[0].hf_name][1:]
+
+
+def _replica0_ranks() -> dict[tuple[int, int], int]:
+    """The global rank of every (pp_rank, tp_rank) of data-parallel replica 0. Every rank must call it."""
+    tp_rank, _, pp_rank, _ = _parallel_ranks()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (pp_rank, tp_rank, parallel_state.get_data_parallel_rank()))
+    return {(pp, tp): rank for rank, (pp, tp, dp) in enumerate(everyone) if dp == 0}
+
+
+def _gather_unit(unit: Unit, weights: dict[str, torch.Tensor], owners: dict[tuple[int, int], int],
+                 hf_config, hf_shapes: dict) -> list[dict] | None:
+    """The unit's megatron tensors from every TP rank of its stage (data-parallel replica 0), sent
+    to global rank 0 as [tp_rank] -> {key: tensor} (None elsewhere). Every rank must call it, units
+    in the same order."""
+    tp_rank, tp_size, _, pp_size = _parallel_ranks()
+    keys, rank = unit.megatron_keys(), dist.get_rank()
+    if rank != 0:
+        if owners[unit.pp, tp_rank] == rank:
+            for key in keys:
+                dist.send(weights[key].detach().contiguous(), dst=0)
         return None
-    tp_shards = [None] * tp_size
-    for tp, part in filter(None, gathered):
-        tp_shards[tp] = part
+    some = next(iter(weights.values()))
+    tp_shards = []
+    for tp in range(tp_size):
+        owner = owners[unit.pp, tp]
+        if owner == 0:
+            tp_shards.append({key: weights[key].detach().cpu() for key in keys})
+            continue
+        layout = shard_layout(hf_config, tp, tp_size, unit.pp, pp_size)
+        part = {}
+        for key in keys:
+            part[key] = torch.empty(megatron_shape(layout[key], hf_shapes), dtype=some.dtype, device=some.device)
+            dist.recv(part[key], src=owner)
+        tp_shards.append({key: t.cpu() for key, t in part.items()})
     return tp_shards
 
 
 def export_megatron_to_hf(model: torch.nn.Module, hf_config, out_dir: Path, tokenizer_dir: Path | None = None,
                           max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write the model as an HF directory from global rank 0, one unit (embedding, layer, head) at
-    a time: gathered from its TP ranks, converted, written to its place in the safetensors files,
-    dropped; rank 0 never holds more than about one layer. Every rank must call it."""
+    a time: received from its TP ranks (point to point from data-parallel replica 0), converted,
+    written to its place in the safetensors files, dropped; rank 0 never holds more than about one
+    layer beyond its own shard. Every rank must call it."""
     weights = _weights(model)
-    dtype = next(iter(weights.values())).dtype
-    writer = HFDirWriter(out_dir, hf_specs(hf_config, dtype), max_shard_bytes) if dist.get_rank() == 0 else None
+    specs = hf_specs(hf_config, next(iter(weights.values())).dtype)
+    hf_shapes = {spec.name: spec.shape for spec in specs}
+    owners = _replica0_ranks()
+    writer = HFDirWriter(out_dir, specs, max_shard_bytes) if dist.get_rank() == 0 else None
     units = model_units(hf_config, parallel_state.get_pipeline_model_parallel_world_size())
     for unit in tqdm(units, desc="exporting", unit="unit", disable=writer is None):
-        tp_shards = _gather_unit(unit, weights)
+        tp_shards = _gather_unit(unit, weights, owners, hf_config, hf_shapes)
         if writer is not None:
-            for name, tensor in unit_to_hf(unit, tp_shards, hf_config).items():
+            for name, tensor in unit_to_hf(unit, tp_shards, hf_config):
                 writer.write(name, tensor)
     if writer is not None:
         writer.finish(hf_config, tokenizer_dir)
