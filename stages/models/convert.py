@@ -237,31 +237,6 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_dir: Path, hf_config=None) 
             weights[key].copy_(tensor)
 
 
-def gather_shards(local: dict[str, torch.Tensor]) -> list[list[dict]] | None:
-    """Every (pp, tp) rank's `local` dict of one data-parallel replica, on global rank 0 as
-    shards[pp_rank][tp_rank] (None elsewhere). Every rank must call it. For small dicts (tests,
-    gradients); the model's weights go out with export_megatron_to_hf, one unit at a time."""
-    mine = None
-    if parallel_state.get_data_parallel_rank() == 0:  # one replica is enough: the others are equal
-        mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-                {k: v.detach().cpu() for k, v in local.items()})
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is None:
-        return None
-    shards = [[None] * parallel_state.get_tensor_model_parallel_world_size()
-              for _ in range(parallel_state.get_pipeline_model_parallel_world_size())]
-    for pp, tp, state in filter(None, gathered):
-        shards[pp][tp] = state
-    return shards
-
-
-def gather_megatron_shards(model: torch.nn.Module) -> list[list[dict]] | None:
-    """The whole model's weights as shards[pp_rank][tp_rank] on global rank 0 (None elsewhere),
-    ready for megatron_to_hf. Holds the model on rank 0: for tests; exports stream."""
-    return gather_shards(_weights(model))
-
-
 def megatron_shape(pieces: list[Piece], hf_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """The shape of the megatron tensor the pieces make (hf_shapes: every HF tensor's shape)."""
     if pieces[0].dim == 1:

@@ -9,6 +9,7 @@ lays out the header first and then places each tensor's bytes wherever they belo
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.atomic import atomic_write_text
+from pipeline.atomic import atomic_write_text, file_sha256
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -73,6 +74,17 @@ class HFCheckpoint(Mapping):
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return dict(HFCheckpoint(hf_dir))
+
+
+def weights_sha256(hf_dir: Path) -> str:
+    """The weights' identity: model.safetensors' sha256, or, for a sharded directory, the sha256 of
+    the index followed by each file's sha256 in order."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / INDEX).exists():
+        return file_sha256(hf_dir / SINGLE)
+    files = sorted(set(json.loads((hf_dir / INDEX).read_text())["weight_map"].values()))
+    digests = [file_sha256(hf_dir / INDEX), *(file_sha256(hf_dir / name) for name in files)]
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

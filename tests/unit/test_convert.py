@@ -191,3 +191,15 @@ def test_saved_dir_loads_with_transformers_and_generates(tmp_path):
     prompt = torch.tensor([tokenizer("12+34=")["input_ids"]])
     out = loaded.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert out.shape == (1, prompt.shape[1] + 5)
+
+
+def test_weights_sha256_is_the_file_hash_or_covers_every_shard(hf_model, tmp_path):
+    from pipeline.atomic import file_sha256
+    from stages.models.hf_files import weights_sha256
+
+    hf = hf_model.state_dict()
+    save_hf_dir(hf, CONFIG, tmp_path / "one")
+    assert weights_sha256(tmp_path / "one") == file_sha256(tmp_path / "one" / "model.safetensors")
+    save_hf_dir(hf, CONFIG, tmp_path / "a", max_shard_bytes=100_000)
+    save_hf_dir({**hf, "lm_head.weight": hf["lm_head.weight"] + 1}, CONFIG, tmp_path / "b", max_shard_bytes=100_000)
+    assert weights_sha256(tmp_path / "a") != weights_sha256(tmp_path / "b")  # the change is in the last file

@@ -14,6 +14,7 @@ measurement does not inherit the heap of the one before."""
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -51,10 +52,12 @@ class PeakGrowth:
                 return
 
     def __enter__(self):
+        self.started = time.perf_counter()
         self.thread.start()
         return self
 
     def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.started
         self.done.set()
         self.thread.join()
         self.sample()
@@ -88,7 +91,7 @@ def measure_load(tp: int, load, hf_dir: Path, config, check: str):
     with PeakGrowth() as m:
         model = build(config)
         load(model, hf_dir, config)
-    report(check, tp=tp, shard_bytes=shard_bytes(model), anon=m.grown(), file=m.grown("RssFile"))
+    report(check, tp=tp, shard_bytes=shard_bytes(model), anon=m.grown(), file=m.grown("RssFile"), seconds=m.seconds)
     return model
 
 
@@ -101,7 +104,7 @@ def main():
     model = measure_load(2, load_hf_into_megatron, hf_dir, config, "stream_load")
     with PeakGrowth() as m:
         export_megatron_to_hf(model, config, out / "export", max_shard_bytes=100 * 2**20)
-    report("export", tp=2, anon=m.grown(), file=m.grown("RssFile"))
+    report("export", tp=2, anon=m.grown(), file=m.grown("RssFile"), seconds=m.seconds)
     del model
     parallel_state.destroy_model_parallel()
 

@@ -16,8 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
-from stages.models.convert import (export_megatron_to_hf, gather_megatron_shards, gather_shards, load_hf_into_megatron,
-                                   megatron_to_hf)
+from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
 
@@ -139,6 +138,22 @@ def check_rng_streams(layout: str) -> None:
                                "default_equal": torch.equal(a_default, b_default)})
 
 
+def gather_shards(local: dict[str, torch.Tensor]) -> list[list[dict]] | None:
+    """Every (pp, tp) rank's `local` dict of data-parallel replica 0 on global rank 0, as
+    shards[pp_rank][tp_rank] (None elsewhere): the whole model at once, as megatron_to_hf takes it."""
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+            {k: v.detach().cpu() for k, v in local.items() if not k.endswith("_extra_state")})
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if parallel_state.get_data_parallel_rank() == 0 else None, gathered, dst=0)
+    if gathered is None:
+        return None
+    shards = [[None] * parallel_state.get_tensor_model_parallel_world_size()
+              for _ in range(parallel_state.get_pipeline_model_parallel_world_size())]
+    for pp, tp, state in filter(None, gathered):
+        shards[pp][tp] = state
+    return shards
+
+
 def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     layout = f"tp{tp}pp{pp}"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -155,7 +170,7 @@ def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     if loss is not None:
         report(layout, "loss", abs(loss - hf_loss))
     grads = gather_shards({name: p.grad for name, p in model.named_parameters()})
-    shards = gather_megatron_shards(model)
+    shards = gather_shards(model.state_dict())
     if shards is not None:
         report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, CONFIG), hf))
         back, expected = megatron_to_hf(shards, CONFIG), hf.state_dict()
