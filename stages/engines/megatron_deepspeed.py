@@ -84,9 +84,9 @@ class MegatronDeepSpeedEngine:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        # No random init: every weight is about to be overwritten, and megatron's CPU init makes a
-        # full-size master copy of each tensor, which would undo the streaming loader's savings.
-        model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype], perform_initialization=False)
+        # Initialised although every weight is overwritten: megatron marks the tensor-parallel
+        # weights (which grad-norm clipping counts once per TP rank) only in its init functions.
+        model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
         load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
         optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": stage.weight_decay},

@@ -71,6 +71,8 @@ def report(check: str, **values) -> None:
 
 
 def build(config):
+    """Without megatron's random init: on CPU it makes a full-size copy of each tensor for a moment
+    (on GPUs it initialises the shard on the device), which is the model's doing, not the loader's."""
     return build_megatron_llama(config, perform_initialization=False)
 
 
