@@ -127,18 +127,29 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 def cmd_run(args) -> int:
     from pipeline.config import load_config
-    from pipeline.driver import StageFailed, run_pipeline
     from pipeline.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
-    only = args.only.split(",") if args.only else None
+    rc = run_here(cfg, run, Path(args.config).parent, args.only.split(",") if args.only else None)
+    if rc == 0:
+        print(f"run directory: {run.root}")
+    return rc
+
+
+def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
+    """Run the stage graph on this machine; the exit code says how it ended."""
+    from launch.preemption import PREEMPTED_EXIT
+    from pipeline.driver import StageFailed, StagePreempted, run_pipeline
+
     try:
-        run_pipeline(cfg, run, Path(args.config).parent, only)
+        run_pipeline(cfg, run, base, only)
     except StageFailed as e:
         print(f"hpcr1: {e}", file=sys.stderr)
         return 1
-    print(f"run directory: {run.root}")
+    except StagePreempted as e:  # a USR1 (e.g. a batch system's warning): the same command continues
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 
@@ -157,7 +168,6 @@ def cmd_submit(args) -> int:
 def cmd_resume(args) -> int:
     from launch.cluster import load_profile
     from pipeline.config import load_resolved
-    from pipeline.driver import StageFailed, run_pipeline
     from pipeline.rundir import RunDir
     from pipeline.submit import submit
 
@@ -166,12 +176,7 @@ def cmd_resume(args) -> int:
     if args.cluster:
         submit(cfg, run, run.root, load_profile(args.cluster), args.nodes, dry_run=False)
         return 0
-    try:
-        run_pipeline(cfg, run, run.root)
-    except StageFailed as e:
-        print(f"hpcr1: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_here(cfg, run, run.root)
 
 
 def cmd_cancel(args) -> int:

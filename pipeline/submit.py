@@ -59,14 +59,22 @@ def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: 
     return submitted
 
 
+# A stage job may start while `hpcr1 submit` still holds the run directory, submitting later stages.
+SUBMIT_GRACE_S = 120
+
+
 def run_stage_job(run: RunDir, stage_id: str) -> int:
-    """The body of one stage's batch job: run the ranks, requeue the job if they were preempted."""
+    """The body of one stage's batch job: run the ranks, requeue the job if they were preempted. The
+    job holds the run directory like `hpcr1 run` does (its launcher too), so a local run or resume
+    started meanwhile is refused instead of writing beside it."""
     cfg = load_resolved(run)
-    try:
-        run_stage(cfg, run, Manifest(run.root), stage_id, lambda: run_stage_in_allocation(run.root, stage_id))
-    except StagePreempted as e:
-        print(e, flush=True)
-        requeue_self()
+    with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
+        try:
+            run_stage(cfg, run, Manifest(run.root), stage_id,
+                      lambda: run_stage_in_allocation(run.root, stage_id, pass_fds=(lock_fd,)))
+        except StagePreempted as e:
+            print(e, flush=True)
+            requeue_self()
     return 0
 
 
