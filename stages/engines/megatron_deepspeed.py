@@ -84,8 +84,9 @@ class MegatronDeepSpeedEngine:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
-        # Initialised although every weight is overwritten: megatron marks the tensor-parallel
-        # weights (which grad-norm clipping counts once per TP rank) only in its init functions.
+        # Initialised although every weight is overwritten: only megatron's init functions mark
+        # the tensor-parallel weights, and the grad norm (clipping) sums the marked ones over the
+        # TP ranks but counts an unmarked one once, as if it were replicated.
         model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
         load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
