@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.models.convert import HFWeights, save_hf_dir
+from stages.models.hf_files import HFCheckpoint, save_hf_dir
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -47,13 +47,13 @@ def load_sharded(hf_dir: Path, trainable: bool) -> torch.nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device=device)
-    _read_own_rows(model, HFWeights(hf_dir))
+    _read_own_rows(model, HFCheckpoint(hf_dir))
     _rebuild_rotary_buffers(model, device)
     return model
 
 
 @torch.no_grad()
-def _read_own_rows(model: torch.nn.Module, weights: HFWeights) -> None:
+def _read_own_rows(model: torch.nn.Module, weights: HFCheckpoint) -> None:
     """Fill each parameter's local shard from the files. FSDP2 splits dim 0 as torch.chunk does:
     ceil(rows / world) rows a rank, the last ranks getting fewer (or none)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,7 +61,7 @@ def _read_own_rows(model: torch.nn.Module, weights: HFWeights) -> None:
         local = param.to_local()
         per_rank = -(-param.shape[0] // world)
         start = min(rank * per_rank, param.shape[0])
-        local.copy_(weights.rows(name, start, start + local.shape[0]))
+        local.copy_(weights.read_rows(name, start, start + local.shape[0]))
 
 
 def _rebuild_rotary_buffers(model: torch.nn.Module, device: torch.device) -> None:
