@@ -2,7 +2,9 @@
 on a ~350 MB fp32 Llama (built here from a seed, saved by transformers as several files), 2 real
 ranks load it into megatron at TP=2 and TP=1, and rank 0 exports it back, layer by layer. The
 whole-tensor loader it replaced is measured too: it breaks the TP=2 bound, so the bound is one a
-loader can fail. How memory is measured, and why anonymous memory: the worker's docstring."""
+loader can fail. The same holds for the GRPO roles' FSDP2 load of a bf16 checkpoint into fp32
+(measured on 2 ranks: 173 MB a rank streamed, 357 MB whole then sharded, for a 334 MB fp32 model).
+How memory is measured, and why anonymous memory: the worker's docstring."""
 from __future__ import annotations
 
 import json
@@ -29,14 +31,19 @@ def hf_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("big")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        LlamaForCausalLM(CONFIG).save_pretrained(out / "hf", max_shard_size="100MB")
+        model = LlamaForCausalLM(CONFIG)
+    model.save_pretrained(out / "hf", max_shard_size="100MB")
+    # As real checkpoints ship: bf16, read into fp32. (An fp32 file loaded as fp32 can stay in
+    # the page cache as it is, shared by the ranks, so it does not show what loading costs.)
+    model.to(torch.bfloat16).save_pretrained(out / "hf-bf16", max_shard_size="100MB")
     return out
 
 
 @pytest.fixture(scope="module")
 def results(hf_dir) -> dict:
     """{(check, tp, rank): {shard_bytes, anon, file}} as the ranks measured them."""
-    out = run_torchrun(WORKER, 2, str(hf_dir / "hf"), str(hf_dir), env={"MALLOC_MMAP_THRESHOLD_": "131072"}).stdout
+    out = run_torchrun(WORKER, 2, str(hf_dir / "hf"), str(hf_dir), str(hf_dir / "hf-bf16"),
+                       env={"MALLOC_MMAP_THRESHOLD_": "131072"}).stdout
     found = {}
     for line in out.splitlines():
         if line.startswith("RESULT "):
@@ -68,6 +75,15 @@ def test_tp1_load_grows_a_rank_by_the_whole_model(results, hf_dir, rank):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_whole_tensor_loader_breaks_the_tp2_bound(results, hf_dir, rank):
     assert results["whole_load", 2, rank]["anon"] > 0.65 * model_bytes(hf_dir)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_grpo_roles_fsdp2_load_grows_a_rank_by_its_shard_and_the_whole_model_load_does_not(results, hf_dir, rank):
+    model = model_bytes(hf_dir)  # in fp32, as the roles hold it
+    streamed, whole = results["fsdp2_load", 2, rank], results["fsdp2_whole_load", 2, rank]
+    assert streamed["shard_bytes"] == pytest.approx(model / 2, rel=0.02)
+    assert streamed["anon"] < min(0.65 * model, streamed["shard_bytes"] + 0.1 * model)
+    assert whole["anon"] > 0.65 * model
 
 
 def test_export_grows_the_writer_by_about_a_layer(results, hf_dir):

@@ -1,7 +1,8 @@
 """Worker: how much host memory a rank takes to load a few-hundred-MB model into megatron (TP=2:
 streamed and, as the reference, from whole HF tensors; TP=1: streamed) and rank 0 to export it
-(TP=2). Each rank prints `RESULT {json}` lines: bytes of its shard and the growth of its
-anonymous memory, peak minus what it had before. argv: HF_DIR OUT_DIR
+(TP=2); then, as the GRPO roles do, to load the model's bf16 copy into FSDP2 in fp32 (streamed, and
+whole then sharded). Each rank prints `RESULT {json}` lines: bytes of its shard and the growth of
+its anonymous memory, peak minus what it had before. argv: HF_DIR OUT_DIR BF16_HF_DIR
 
 Anonymous memory (RssAnon), not the whole RSS: the loader reads memory-mapped safetensors files,
 and the clean file pages it touches count in RSS (RssFile) although the kernel can drop them at any
@@ -11,6 +12,7 @@ memory: the tensors a rank allocates. A thread samples it every millisecond; the
 keeps are alive for the rest of the measurement, so the peak cannot slip between samples. The
 test sets MALLOC_MMAP_THRESHOLD_ so that freed tensors go back to the kernel at once and one
 measurement does not inherit the heap of the one before."""
+import gc
 import json
 import sys
 import threading
@@ -20,9 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from transformers import AutoConfig
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from launch.dist import init_distributed
+from stages.engines import fsdp2
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron
 from stages.models.hf_files import HFCheckpoint
@@ -39,6 +44,9 @@ class PeakGrowth:
     """Peak RssAnon (and RssFile, for the record) during the block, minus its value before."""
 
     def __init__(self):
+        # What the last measurement left in reference cycles (FSDP2's modules) must not be freed
+        # during this one: it would hide as much of this one's growth.
+        gc.collect()
         self.base = {f: status_bytes(f) for f in ("RssAnon", "RssFile")}
         self.peak = dict(self.base)
         self.done = threading.Event()
@@ -97,8 +105,26 @@ def measure_load(tp: int, load, hf_dir: Path, config, check: str):
     return model
 
 
+def load_whole_then_shard(hf_dir: Path, trainable: bool):
+    """The GRPO roles' loader before streaming: the whole model on every rank, then sharded."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def measure_fsdp2_load(load, hf_dir: Path, check: str) -> None:
+    """The GRPO actor's and reference's load (FSDP2 over both ranks) of a bf16 checkpoint into fp32."""
+    with PeakGrowth() as m:
+        model = load(hf_dir, trainable=False)
+    shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    report(check, tp=dist.get_world_size(), shard_bytes=shard, anon=m.grown(), file=m.grown("RssFile"),
+           seconds=m.seconds)
+
+
 def main():
-    hf_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    hf_dir, out, bf16_dir = map(Path, sys.argv[1:4])
     init_distributed()
     apply_cpu_shim()
     config = AutoConfig.from_pretrained(hf_dir)
@@ -114,6 +140,8 @@ def main():
     parallel_state.destroy_model_parallel()
     measure_load(1, load_hf_into_megatron, hf_dir, config, "stream_load")
     parallel_state.destroy_model_parallel()
+    measure_fsdp2_load(fsdp2.load_sharded, bf16_dir, "fsdp2_load")
+    measure_fsdp2_load(load_whole_then_shard, bf16_dir, "fsdp2_whole_load")
     dist.destroy_process_group()
 
 
