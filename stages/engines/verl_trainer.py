@@ -60,7 +60,6 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "actor_rollout_ref.actor.optim.lr_warmup_steps": s.warmup_steps,
         "actor_rollout_ref.actor.optim.weight_decay": 0.0,
         "actor_rollout_ref.actor.optim.clip_grad": s.grad_clip,
-        "actor_rollout_ref.actor.grad_clip": s.grad_clip,
         "actor_rollout_ref.rollout.name": v.rollout,
         "actor_rollout_ref.rollout.n": s.group_size,
         "actor_rollout_ref.rollout.temperature": s.temperature,
@@ -93,6 +92,7 @@ def backend_overrides(s: GRPOStage) -> dict:
     v = s.verl
     if v.backend == "fsdp":
         return {"actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+                "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
                 "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload": v.optimizer_offload,
                 "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload}
@@ -141,7 +141,9 @@ def hydra_value(value) -> str:
     if "${" in text:
         # OmegaConf would read it as an interpolation, even quoted.
         raise ConfigError("--run-dir", f"{text!r}: a path with '${{' cannot be passed to verl's Hydra config")
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Hydra's quoted strings: a backslash escapes only before a quote (or the closing quote).
+    body = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text).replace("'", "\\'")
+    return f"'{body}'"
 
 
 # --- checking against the installed verl ---------------------------------------------------------
@@ -179,7 +181,6 @@ def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_pe
     if gpus_per_node < 1:
         raise ConfigError("--cluster", f"{sid} uses engine 'verl', which needs GPUs: the cluster profile has "
                           "gpus_per_node 0")
-    _check_batch_split(s, sid, nnodes * gpus_per_node)
     if gpus_per_node % s.verl.rollout_tp:
         raise ConfigError(f"{sid}.verl.rollout_tp", f"{s.verl.rollout_tp} does not divide the {gpus_per_node} GPUs "
                           "of a node")
@@ -190,6 +191,7 @@ def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_pe
         message = " ".join(str(e).split()) or type(e).__name__
         field = next((ours for theirs, ours in _FIELD_OF if theirs in message), "engine")
         raise ConfigError(f"{sid}.{field}", f"verl rejects the stage's config: {message}") from None
+    _check_batch_split(s, sid, nnodes * gpus_per_node)
     return overrides
 
 
