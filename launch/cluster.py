@@ -28,6 +28,8 @@ class RayPorts(Section):
     """Each node's object manager."""
     client_server_port: Port = 10001
     """The head's Ray client server."""
+    dashboard_port: Port = 8265
+    """The head's (minimal) dashboard server, which Ray starts even with the dashboard UI off."""
     min_worker_port: Port = 10002
     """Lowest port a Ray worker process may take."""
     max_worker_port: Port = 10999

@@ -56,7 +56,8 @@ def latest_step(ckpt_root: Path) -> int | None:
 
 def merge_to_final(ckpt_root: Path, step: int, backend: str, init_dir: Path, final: Path) -> None:
     """verl's sharded actor checkpoint of `step` -> a Hugging Face directory at `final`, with
-    verl's own merger; written aside and renamed, so a half-written final/ never exists."""
+    verl's own merger (which writes bf16 weights); written aside and renamed, so a half-written
+    final/ never exists."""
     actor = ckpt_root / f"global_step_{step}" / "actor"
     if not actor.is_dir():
         raise RuntimeError(f"verl left no actor checkpoint at {actor}")
