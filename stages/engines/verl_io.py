@@ -17,6 +17,10 @@ from stages.data.examples import DataError, Example
 # verl's record_function ranges (DistProfiler.annotate roles) -> our GRPO phases
 VERL_PHASES = {"actor_compute_log_prob": "policy_logprob", "ref_compute_log_prob": "reference_logprob",
                "actor_update": "policy_update"}
+# verl's step timers (marked_timer names, logged as timing_s/<name>) -> our phases
+VERL_TIMERS = {"gen": "rollout", "reward": "reward", "old_log_prob": "policy_logprob", "ref": "reference_logprob",
+               "adv": "advantage", "update_actor": "policy_update", "update_weights": "weight_sync",
+               "save_checkpoint": "checkpoint"}
 _TRACE_STEP = re.compile(r"_step(\d+)_")
 
 
@@ -94,6 +98,19 @@ def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
             e["seq"] = seq[key] = seq.get(key, -1) + 1
         atomic_write_text(profile_dir / f"rank-{rank:05d}.jsonl", "".join(json.dumps(e) + "\n" for e in events))
     return sum(len(events) for events in by_rank.values())
+
+
+def write_metrics(verl_metrics: Path, metrics: Path) -> None:
+    """verl's file-logger rows ({"step", "data"}) as our metrics.jsonl: its own keys, plus the step's
+    phase wall times under our names (phase_time/<phase>, what `hpcr1 report` reads)."""
+    rows = []
+    for line in verl_metrics.read_text().splitlines():
+        row = json.loads(line)
+        data = row["data"]
+        phases = {f"phase_time/{ours}": data[f"timing_s/{theirs}"] for theirs, ours in VERL_TIMERS.items()
+                  if f"timing_s/{theirs}" in data}
+        rows.append({"step": row["step"], **data, **phases})
+    atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def held_out_result(metrics_file: Path, data_source: str, n: int) -> dict:

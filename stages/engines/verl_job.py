@@ -23,9 +23,9 @@ from launch.rank_failure import record_exception
 from pipeline.atomic import atomic_write_text
 from pipeline.config import load_resolved
 from pipeline.rundir import RunDir
-from stages.data.examples import read_examples
+from stages.data.examples import DataError, read_examples
 from stages.engines.verl_io import (check_prompt_lengths, held_out_result, latest_step, merge_to_final,
-                                    traces_to_events, verl_rows, write_parquet)
+                                    traces_to_events, verl_rows, write_metrics, write_parquet)
 from stages.engines.verl_trainer import DATA_SOURCE, check_verl_stage, verl_paths
 
 
@@ -57,6 +57,9 @@ def write_verl_data(cfg, run: RunDir, sid: str) -> None:
     stage, paths = getattr(cfg, sid), verl_paths(run, sid)
     prompts = read_examples(run.task_file("prompts"))
     held_out = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
+    if len(prompts) < stage.prompts_per_step:  # verl's loader drops the last partial batch: no step at all
+        raise DataError(run.task_file("prompts"), None, f"{len(prompts)} prompts, fewer than {sid}.prompts_per_step "
+                        f"({stage.prompts_per_step})")
     tokenizer = AutoTokenizer.from_pretrained(run.model_dir(stage.init_from))
     check_prompt_lengths(prompts + held_out, tokenizer, stage.verl.max_prompt_length, f"{sid}.verl.max_prompt_length")
     write_parquet(paths["train"], verl_rows(prompts, "train", DATA_SOURCE))
@@ -89,5 +92,6 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)
+    write_metrics(paths["metrics"], run.metrics(sid))
     n_eval = min(cfg.eval.num_examples, len(read_examples(run.task_file("eval"))))
     atomic_write_text(run.eval_result(sid), json.dumps(held_out_result(paths["metrics"], DATA_SOURCE, n_eval)))

@@ -74,6 +74,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "+reward.custom_reward_function.reward_kwargs.format_weight": s.format_reward,
         "trainer.nnodes": nnodes, "trainer.n_gpus_per_node": gpus_per_node,
         "trainer.total_training_steps": s.steps,
+        "trainer.total_epochs": s.steps,  # an epoch has at least one step: never the limit
         "trainer.save_freq": s.checkpoint_every,
         "trainer.max_actor_ckpt_to_keep": s.keep_checkpoints,
         "trainer.resume_mode": "auto",
@@ -169,10 +170,10 @@ def validate_verl_config(config) -> None:
     omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
 
 
-# verl's words for what went wrong -> the field of ours that sets it
+# (verl's words for what went wrong, the field of ours that sets it), the more specific words first
 _FIELD_OF = (("real_train_batch_size", "prompts_per_step"), ("ppo_mini_batch_size", "mini_batches"),
-             ("model_parallel_size", "verl.megatron_tp"), ("micro_batch", "verl.micro_batch_size_per_gpu"),
-             ("tensor_model_parallel_size", "verl.rollout_tp"), ("gpu_memory_utilization", "verl.gpu_memory_utilization"))
+             ("tensor_model_parallel_size", "verl.rollout_tp"), ("model_parallel_size", "verl.megatron_tp"),
+             ("micro_batch", "verl.micro_batch_size_per_gpu"), ("gpu_memory_utilization", "verl.gpu_memory_utilization"))
 
 
 def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:

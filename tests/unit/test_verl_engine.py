@@ -175,3 +175,45 @@ def test_hpcr1_config_shows_the_engine_and_its_verl_section(capsys):
     assert main(["config", str(REPO / "configs" / "tiny-cpu.yaml"), "stage2_grpo.engine=verl"]) == 0
     out = capsys.readouterr().out
     assert "engine: verl" in out and "rollout_tp: 4" in out and "gpu_memory_utilization: 0.6" in out
+
+
+def test_verls_own_dataset_reads_our_parquet_as_chat_prompts_with_their_answers(tmp_path):
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from stages.data.arithmetic import generate_arithmetic
+    from stages.data.tokenizer import build_char_tokenizer
+    from stages.engines.verl_io import verl_rows, write_parquet
+
+    examples = generate_arithmetic(0, 4, "prompts", 3, 4, 1.0)
+    write_parquet(tmp_path / "train.parquet", verl_rows(examples, "train", "hpcr1"))
+    data_config = compose_verl_config(["data.prompt_key=prompt", "data.dataloader_num_workers=0"]).data
+    dataset = RLHFDataset(str(tmp_path / "train.parquet"), build_char_tokenizer(tmp_path / "tok"), data_config)
+    assert len(dataset) == len(examples)
+    for i, ex in enumerate(examples):
+        row = dataset[i]
+        assert row["raw_prompt"] == [{"role": "user", "content": ex.prompt}]
+        assert row["reward_model"]["ground_truth"] == ex.answer and row["data_source"] == "hpcr1"
+
+
+def test_verls_step_timers_become_our_phase_times(tmp_path):
+    from analysis.events import load_phase_times
+    from stages.engines.verl_io import write_metrics
+
+    log = tmp_path / "verl_metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "data": {"timing_s/gen": 2.0 * s, "timing_s/update_actor": 1.0,
+                                                            "timing_s/step": 4.0, "actor/pg_loss": 0.1}}) + "\n"
+                           for s in (1, 2)))
+    write_metrics(log, tmp_path / "metrics.jsonl")
+    assert load_phase_times(tmp_path) == {"rollout": 6.0, "policy_update": 2.0}
+
+
+def test_a_cluster_without_gpus_is_refused_for_verl(tmp_path):
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        check_verl_stage(config_70b(), RunDir(tmp_path), "stage2_grpo", 64, 0)
+
+
+def test_a_megatron_layout_that_does_not_divide_the_gpus_names_megatron_tp(tmp_path):
+    cfg = config_70b("stage2_grpo.verl.backend=megatron", "stage2_grpo.verl.megatron_tp=3")
+    with pytest.raises(ConfigError, match="verl rejects") as e:
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.verl.megatron_tp"
