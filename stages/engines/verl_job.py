@@ -29,9 +29,10 @@ from stages.engines.verl_io import (check_prompt_lengths, held_out_result, lates
 from stages.engines.verl_trainer import DATA_SOURCE, check_verl_stage, verl_paths
 
 
-def run_verl_stage(run_dir: Path, sid: str) -> int:
+def run_verl_stage(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
     """Returns main_ppo's exit code (PREEMPTED_EXIT when stopped by the job's USR1 signal), or 1
-    with the exception recorded where the driver looks for a failed rank's (logs/rank-00000.*)."""
+    with the exception recorded where the driver looks for a failed rank's (logs/rank-00000.*).
+    `pass_fds`: descriptors main_ppo inherits (the run directory's lock)."""
     run = RunDir(run_dir)
     try:
         cfg = load_resolved(run)
@@ -41,7 +42,7 @@ def run_verl_stage(run_dir: Path, sid: str) -> int:
         nnodes, gpus_per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["HPCR1_GPUS_PER_NODE"])
         overrides = check_verl_stage(cfg, run, sid, nnodes, gpus_per_node)
         write_verl_data(cfg, run, sid)
-        rc = _run_main_ppo(run, sid, overrides)
+        rc = _run_main_ppo(run, sid, overrides, pass_fds)
         if rc == 0:
             finish_verl_stage(cfg, run, sid)
         return rc
@@ -66,7 +67,7 @@ def write_verl_data(cfg, run: RunDir, sid: str) -> None:
     write_parquet(paths["val"], verl_rows(held_out, "eval", DATA_SOURCE))
 
 
-def _run_main_ppo(run: RunDir, sid: str, overrides: list[str]) -> int:
+def _run_main_ppo(run: RunDir, sid: str, overrides: list[str], pass_fds: tuple[int, ...]) -> int:
     """main_ppo's output goes to logs/rank-00000.log, where a failure's traceback is looked for.
     On USR1 (the job nears its time limit) it is stopped: the requeued job resumes from verl's
     newest checkpoint (trainer.resume_mode=auto), losing the steps since then."""
@@ -76,7 +77,7 @@ def _run_main_ppo(run: RunDir, sid: str, overrides: list[str]) -> int:
     run.logs(sid).mkdir(parents=True, exist_ok=True)
     with open(run.logs(sid) / "rank-00000.log", "a") as log:
         proc = subprocess.Popen([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+                                stdout=log, stderr=subprocess.STDOUT, pass_fds=pass_fds)
         stopped = []
         signal.signal(signal.SIGUSR1, lambda signum, frame: (stopped.append(signum), proc.terminate()))
         rc = proc.wait()

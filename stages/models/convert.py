@@ -141,6 +141,11 @@ class HFWeights(Mapping):
         with safe_open(self.file_of[key], "pt") as f:
             return f.get_tensor(key)
 
+    def rows(self, key: str, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [start, stop) of a tensor, read from the memory-mapped file without the others."""
+        with safe_open(self.file_of[key], "pt") as f:
+            return f.get_slice(key)[start:stop].to(dtype)
+
     def __iter__(self):
         return iter(self.file_of)
 
