@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from launch.cluster import ClusterProfile
-from launch.sbatch import render_stage_script, sbatch_command
+from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import requeue_self, run_stage_in_allocation
 from pipeline.atomic import atomic_write_text
 from pipeline.config import ConfigError, RunConfig, load_resolved
@@ -19,6 +19,8 @@ from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run,
 from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
 from pipeline.runlock import hold_run_dir
+from stages.engines.verl_job import run_verl_stage
+from stages.engines.verl_trainer import check_verl_stage, verl_stages
 
 
 def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
@@ -30,6 +32,8 @@ def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfil
     if world != cfg.nproc:
         raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
                           f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
+    for sid in verl_stages(cfg, only):
+        check_verl_stage(cfg, run, sid, nodes, profile.gpus_per_node)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
@@ -43,7 +47,8 @@ def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: 
     previous = None
     for sid in [sid for sid in stages_to_run(cfg, run, manifest) if not only or sid in only]:
         script = run.logs(sid) / f"{sid}.sbatch"
-        atomic_write_text(script, render_stage_script(profile, run.root.resolve(), sid, nodes))
+        render = render_verl_script if sid in verl_stages(cfg) else render_stage_script
+        atomic_write_text(script, render(profile, run.root.resolve(), sid, nodes))
         cmd = sbatch_command(script, run.root.resolve(), sid, previous)
         if dry_run:
             echo(f"{sid}: {script}\n  {' '.join(cmd)}")
@@ -68,10 +73,10 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
     job holds the run directory like `hpcr1 run` does (its launcher too), so a local run or resume
     started meanwhile is refused instead of writing beside it."""
     cfg = load_resolved(run)
+    launch = run_verl_stage if stage_id in verl_stages(cfg) else run_stage_in_allocation
     with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
         try:
-            run_stage(cfg, run, Manifest(run.root), stage_id,
-                      lambda: run_stage_in_allocation(run.root, stage_id, pass_fds=(lock_fd,)))
+            run_stage(cfg, run, Manifest(run.root), stage_id, lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)))
         except StagePreempted as e:
             print(e, flush=True)
             requeue_self()
