@@ -2,13 +2,14 @@
 once, then decoded one token a step into a preallocated KV cache; responses decoded from the new
 tokens only.
 
-Our own loop rather than HF `generate`, which on the embedded default's tiny model spends most of
-its time outside the model's arithmetic (see bench/generation_vs_hf.py for the profile and the
-ratio). The loop reads the module's weights at every call (so the rollout's `load_weights` applies)
+Our own loop rather than HF `generate`, which on the embedded default's tiny model spends much of
+its time on work per token that is not the model's arithmetic (bench/generation_vs_hf.py has the
+profile and the ratio). The loop reads the module's weights at every call (so the rollout's `load_weights` applies)
 and its rotary embedding (so every static RoPE type, Llama 3's included, is the module's own), and
 samples like HF: logits in fp32, divided by the temperature, then top-p (nucleus, at least one
 token kept), one `torch.multinomial` draw per row and step from the global torch RNG, so the same
-seed draws the same tokens as `generate` with `top_k=0`.
+seed draws the same tokens as `generate` with `top_k=0`. No top-k: `generate`'s default of 50 was
+never asked for, and the GRPO loss's log-probs are those of the untruncated tempered softmax.
 """
 from __future__ import annotations
 
