@@ -18,7 +18,8 @@ outside the model's forward (logits processors, stopping criteria, building the 
 output dataclasses every step, `inspect.signature` at setup); inside it, nn.Module dispatch and
 attribute lookups (~15%), RMSNorm as six separate ops, RoPE computed separately for queries and
 keys with a `cat` each, a KV cache (DynamicCache) concatenated anew every step, separate q/k/v and
-gate/up matmuls, and attention with one query per head against repeated key/value heads. Our loop
+gate/up matmuls, and attention with one query per head (key/value heads copied per query head
+when rows are padded). Our loop
 does one op where `generate` does several, so it gains most where the per-op overhead dominates
 (small batches); at 200 rows both are bound by the same matmuls and attention.
 """
