@@ -107,7 +107,9 @@ class Decoder:
         steps = torch.arange(1, max_new_tokens + 1, device=device)
         positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + steps], dim=1)
         cos, sin = model.model.rotary_emb(self.embed[:1], positions)  # the module's own RoPE, any static type
-        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign goes into the table once
+        half = self.head_dim // 2
+        self.cos, self.sin = cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
 
     def prefill(self) -> torch.Tensor:
         """Causal attention over the prompts; a pad position attends to itself only, so no row of
@@ -146,19 +148,19 @@ class Decoder:
         b, s = tokens.shape
         nq, nkv, stop, half = self.heads, self.kv_heads, start + s, self.head_dim // 2
         cos, sin = self.cos[:, start:stop], self.sin[:, start:stop]
-        x = F.embedding(tokens, self.embed)
+        x = F.embedding(tokens.reshape(b * s), self.embed)  # [b * s, hidden]: 2-D matmuls, no reshapes
         for i, w in enumerate(self.layers):
             qkv = F.linear(self.norm(x, w.attn_norm), w.qkv, w.qkv_bias).view(b, s, nq + 2 * nkv, self.head_dim)
             qk = qkv[:, :, :nq + nkv]  # queries and keys rotated together, one RoPE
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
             cache = self.cache[i]
             cache[:, :nkv, start:stop] = qk[:, :, nq:].transpose(1, 2)
             cache[:, nkv:, start:stop] = qkv[:, :, nq + nkv:].transpose(1, 2)
             attended = attend(qk[:, :, :nq], cache[:, :nkv, :stop], cache[:, nkv:, :stop])
-            x = x + F.linear(attended, w.out, w.out_bias)
+            x = x + F.linear(attended.reshape(b * s, -1), w.out, w.out_bias)
             gate, up = F.linear(self.norm(x, w.mlp_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
-        return self.norm(x[:, -1], self.final_norm)
+        return self.norm(x.view(b, s, -1)[:, -1], self.final_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
