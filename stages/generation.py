@@ -37,7 +37,9 @@ def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
 
 @dataclass
 class Layer:
-    """One decoder layer's weights, with q/k/v and gate/up concatenated so that each is one matmul."""
+    """One decoder layer's weights, with q/k/v and gate/up concatenated so that each is one matmul.
+    The concatenations are copies made at every call (so they follow `load_weights`): while a call
+    generates, about 2/3 of the decoder's weights are held twice."""
     attn_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
