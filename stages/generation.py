@@ -167,6 +167,12 @@ class Decoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with these rows only (indices into the current ones): rows that have ended stop
+        costing matmuls and attention."""
+        self.cache, self.key_bias = self.cache[:, rows], self.key_bias[rows]
+        self.cos, self.sin = self.cos[rows], self.sin[rows]
+
 
 def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """HF's TopPLogitsWarper: drop the least likely tokens whose total probability is at most
@@ -177,31 +183,49 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
 
 
-def next_tokens(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def next_tokens(logits: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, temperature: float,
+                top_p: float) -> torch.Tensor:
+    """The next token of every row of the batch [batch], from the logits of the rows still decoding
+    [len(rows), vocab]; the others get pad_id. Sampling draws for the whole batch, as `generate`
+    does (one multinomial draw consumes the RNG by the batch's size, not by the values), so leaving
+    ended rows out of the forward does not change what the others draw."""
+    tokens = torch.full((batch,), pad_id, dtype=torch.long, device=logits.device)
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        tokens[rows] = logits.argmax(dim=-1)
+        return tokens
     scores = logits / temperature
     if top_p < 1.0:
         scores = top_p_filter(scores, top_p)
-    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+    probs = torch.zeros(batch, logits.shape[1], dtype=logits.dtype, device=logits.device)
+    probs[:, pad_id] = 1.0
+    probs[rows] = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
            temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
     """New tokens [b, <= max_new_tokens] after left-padded prompts; a row that has emitted eos is
-    padded with pad_id after it, and the loop stops when every row has."""
+    padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
+    being decoded have ended, the decoder drops them (a copy of the cache: not at every ending)."""
+    batch, device = input_ids.shape[0], input_ids.device
     decoder = Decoder(model, input_ids, attention, max_new_tokens)
-    out = torch.full((input_ids.shape[0], max_new_tokens), pad_id, dtype=torch.long, device=input_ids.device)
-    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
     hidden = decoder.prefill()
     for t in range(max_new_tokens):
-        token = next_tokens(decoder.logits(hidden), temperature, top_p).masked_fill(finished, pad_id)
-        out[:, t] = token
+        token = next_tokens(decoder.logits(hidden), rows, batch, pad_id, temperature, top_p)
+        out[:, t] = token.masked_fill_(finished, pad_id)
         finished |= token == eos_id
         if t + 1 == max_new_tokens or bool(finished.all()):
             return out[:, :t + 1]
-        hidden = decoder.step(token, t)
+        live = ~finished[rows]
+        if int(live.sum()) <= 0.75 * len(rows):
+            kept = live.nonzero().squeeze(1)
+            decoder.keep(kept)
+            rows, hidden = rows[kept], hidden[kept]
+        hidden = decoder.step(token[rows], t)
     return out
 
 

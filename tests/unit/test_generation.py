@@ -170,3 +170,28 @@ def test_length_dependent_rope_is_refused():
     model = random_llama(rope={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     with pytest.raises(ValueError, match="rope_type is 'dynamic'"):
         our_new_tokens(model, [[1, 2]], 3, eos_id=1)
+
+
+def test_sampled_rows_that_end_leave_the_batch_and_the_others_still_draw_what_generate_draws(monkeypatch):
+    model = random_llama(seed=2)
+    prompts = ragged_prompts(16, seed=7)
+    torch.manual_seed(5)
+    free_run = our_new_tokens(model, prompts, 40, VOCAB + 1, temperature=1.0)
+    # The RNG is consumed alike whatever eos is, so the free run shows where each row would end:
+    # take the token that most rows draw within 20 steps.
+    def first_step(row, tok):
+        found = (row == tok).nonzero()
+        return found[0].item() if len(found) else 40
+
+    ends = {tok: sorted(first_step(row, tok) for row in free_run) for tok in range(1, VOCAB)}
+    eos = max(ends, key=lambda tok: sum(step < 20 for step in ends[tok]))
+    assert ends[eos][8] < 20 and ends[eos][-1] > ends[eos][8] + 3, "half the rows must end well before the rest"
+    kept_sizes = []
+    keep = Decoder.keep
+    monkeypatch.setattr(Decoder, "keep", lambda self, rows: (kept_sizes.append(len(rows)), keep(self, rows))[1])
+    torch.manual_seed(5)
+    ours = our_new_tokens(model, prompts, 40, eos, temperature=1.0)
+    torch.manual_seed(5)
+    hf = hf_new_tokens(model, prompts, 40, eos, do_sample=True, temperature=1.0, top_k=0)
+    assert kept_sizes and kept_sizes[-1] < 16, "the decoder never dropped the rows that had ended"
+    assert torch.equal(ours, hf)
