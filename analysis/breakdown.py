@@ -54,16 +54,21 @@ class StageSummary:
 
     def __post_init__(self):
         self.ranks = sorted({e["rank"] for e in self.events})
-        self.steps = len({e["step"] for e in self.events if e["step"]}) or 1
+        self.steps = len({e["step"] for e in self.step_events()}) or 1
+
+    def step_events(self) -> list[dict]:
+        """The events of the stage's steps: not setup (step 0) and not the held-out evaluation of
+        final/ (its own step after the last), which a "per step" figure must not spread over the steps."""
+        return [e for e in self.events if e["step"] and not e["phase"].startswith("eval")]
 
     def per_rank_mean(self, seconds: float) -> float:
         return seconds / max(1, len(self.ranks))
 
-    def comm_seconds(self) -> float:
-        return self.per_rank_mean(sum(duration(e) for e in self.events))
+    def comm_seconds_per_step(self) -> float:
+        return self.per_rank_mean(sum(duration(e) for e in self.step_events())) / self.steps
 
-    def total_bytes(self) -> int:
-        return sum(e["bytes"] for e in self.events if e["rank"] == self.ranks[0])
+    def bytes_per_step(self) -> float:
+        return sum(e["bytes"] for e in self.step_events() if e["rank"] == self.ranks[0]) / self.steps
 
     def by_op(self) -> list[tuple]:
         """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth GB/s)."""
@@ -77,11 +82,12 @@ class StageSummary:
 
     def bandwidth_points(self, op: str) -> list[tuple[int, float]]:
         """(bytes, bus bandwidth B/s) for each call of `op`, one point per matched call."""
-        matched = {(c.group_ranks, c.seq) for c in self.calls if c.op == op}
+        matched = {(c.group_ranks, c.attempt, c.seq) for c in self.calls if c.op == op}
         points = [(c.bytes, bus_bandwidth(op, c.bytes, c.transfer_s, len(c.group_ranks)))
                   for c in self.calls if c.op == op and c.transfer_s > 0]
         points += [(e["bytes"], bus_bandwidth(op, e["bytes"], duration(e), e["group_size"])) for e in self.events
-                   if e["op"] == op and (tuple(e["group_ranks"]), e["seq"]) not in matched and duration(e) > 0]
+                   if e["op"] == op and (tuple(e["group_ranks"]), e["attempt"], e["seq"]) not in matched
+                   and duration(e) > 0]
         return [p for p in points if p[0] > 0]
 
     def median_busbw(self, op: str) -> float:

@@ -18,15 +18,21 @@ def stage_dirs(run_dir: Path) -> list[Path]:
 
 
 def load_events(stage_dir: Path) -> list[dict]:
-    """Every rank's events of one stage; a call never seen to complete gets t_end = t_start."""
+    """Every rank's events of one stage; a call never seen to complete gets t_end = t_start. A step
+    that several attempts of the stage recorded (an attempt died, the next resumed from an earlier
+    checkpoint and redid it) counts once: the last attempt's events of it are kept."""
     events = []
     for path in sorted((Path(stage_dir) / "profile").glob("rank-*.jsonl")):
         for e in read_jsonl(path):
             e["t_end"] = e["t_start"] if e["t_end"] is None else e["t_end"]
             e.setdefault("async_op", False)
             e.setdefault("t_wait", None)  # profiles written before the field existed
+            e.setdefault("attempt", 1)
             events.append(e)
-    return events
+    last = {}
+    for e in events:
+        last[e["rank"], e["step"]] = max(last.get((e["rank"], e["step"]), 0), e["attempt"])
+    return [e for e in events if e["attempt"] == last[e["rank"], e["step"]]]
 
 
 def load_phase_times(stage_dir: Path) -> dict[str, float]:

@@ -110,7 +110,7 @@ def per_rank(s: StageSummary, path: Path) -> Path:
 def across_runs(runs: dict[str, list[StageSummary]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     labels = [f"{run}\n{s.name}" for run, stages in runs.items() for s in stages]
-    values = [s.comm_seconds() / s.steps * 1e3 for stages in runs.values() for s in stages]
+    values = [s.comm_seconds_per_step() * 1e3 for stages in runs.values() for s in stages]
     ax.bar(labels, values)
     ax.set_ylabel("comm ms / step / rank")
     ax.tick_params(axis="x", labelsize=7)

@@ -1,4 +1,5 @@
-"""Matching one collective across the ranks that took part, by (group_ranks, op, seq).
+"""Matching one collective across the ranks that took part, by (group_ranks, op, attempt, seq): seq
+counts a (group, op)'s calls from the start of each attempt of the stage.
 
 For a matched call, the rank that arrives last (latest t_start) is the straggler: the others wait
 for it. Wait on rank r = latest t_start - t_start on r; transfer time = earliest t_end - latest
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 class MatchedCall:
     op: str
     group_ranks: tuple[int, ...]
+    attempt: int
     seq: int
     phase: str
     step: int
@@ -43,12 +45,12 @@ def match_calls(events: list[dict]) -> list[MatchedCall]:
     by_key: dict[tuple, dict[int, dict]] = defaultdict(dict)
     for e in events:
         if e["op"] not in ("send", "recv"):
-            by_key[(tuple(e["group_ranks"]), e["op"], e["seq"])][e["rank"]] = e
+            by_key[(tuple(e["group_ranks"]), e["op"], e["attempt"], e["seq"])][e["rank"]] = e
     calls = []
-    for (ranks, op, seq), per_rank in by_key.items():
+    for (ranks, op, attempt, seq), per_rank in by_key.items():
         if len(per_rank) == len(ranks) > 1:
             first = per_rank[ranks[0]]
-            calls.append(MatchedCall(op, ranks, seq, first["phase"], first["step"], first["bytes"], per_rank))
+            calls.append(MatchedCall(op, ranks, attempt, seq, first["phase"], first["step"], first["bytes"], per_rank))
     return sorted(calls, key=lambda c: c.last_arrival)
 
 

@@ -51,8 +51,10 @@ ASSUMPTIONS = (
     "layout), and the KV cache of the whole rollout batch. Prompts are --prompt-tokens long.",
     "Generation (synth): bf16 weights, TP within a node, the KV cache of one batch "
     "(batch_size x samples_per_prompt sequences) per TP group.",
-    "Host memory per node: each rank reads only its own shard of the checkpoint (the streaming loader); "
-    "today's GRPO and synth loaders read the whole model in fp32 on every rank (4·P bytes each).",
+    "Host memory per node: each rank reads only its own shard of the checkpoint. SFT's and GRPO's "
+    "loaders do (memory-mapped slices of the rank's TP / FSDP shard; SFT's export gathers one layer "
+    "at a time on rank 0); today's synth loader still reads the whole model in fp32 on every rank "
+    "(4·P bytes each), so its host figure holds only once it streams too.",
     "CPU offload moves the optimizer states (with bf16, the fp32 master weights) to host memory; "
     "recompute is full activation recomputation. Neither is a config option yet: a plan that needs "
     "them says so in its layout (+offload, +recompute).",

@@ -26,13 +26,29 @@ def length(intervals: list[Interval]) -> float:
     return sum(e - s for s, e in union(intervals))
 
 
+def intersection(intervals: list[Interval], windows: list[Interval]) -> float:
+    """Seconds of the union of `intervals` inside the union of `windows` (one merge pass)."""
+    a, b = union(intervals), union(windows)
+    i = j = 0
+    inside = 0.0
+    while i < len(a) and j < len(b):
+        inside += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return inside
+
+
 def subtract(intervals: list[Interval], holes: list[Interval]) -> float:
     """Seconds of the union of `intervals` outside the union of `holes`."""
-    inside = 0.0
-    holes = union(holes)
-    for s, e in union(intervals):
-        inside += sum(max(0.0, min(e, he) - max(s, hs)) for hs, he in holes)
-    return length(intervals) - inside
+    return length(intervals) - intersection(intervals, holes)
+
+
+def blocked(rank_events: list[dict]) -> list[Interval]:
+    """When the rank could not go on: inside its synchronous calls and its waits for async ones."""
+    spans = [(e["t_start"], e["t_end"]) for e in rank_events if not e["async_op"]]
+    return spans + [(e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None]
 
 
 def overlap_fraction(rank_events: list[dict]) -> float:
@@ -40,7 +56,5 @@ def overlap_fraction(rank_events: list[dict]) -> float:
     total = length(spans)
     if total == 0:
         return 0.0
-    blocked = [(e["t_start"], e["t_end"]) for e in rank_events if not e["async_op"]]
-    blocked += [(e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None]
     free = [(e["t_start"], e["t_end"]) for e in rank_events if e["async_op"]]
-    return subtract(free, blocked) / total
+    return subtract(free, blocked(rank_events)) / total

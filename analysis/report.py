@@ -7,9 +7,10 @@ import argparse
 import base64
 import html
 import json
+import sys
 from pathlib import Path
 
-from analysis import figures
+from analysis import figures, scaling
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
 from launch.nccl_transport import detect_in_logs
@@ -94,6 +95,21 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return ["/".join(r.parts[-depth:]) for r in run_dirs]
 
 
+def scaling_section(doc: Document, run_dirs: list[Path], labels: list[str], out_dir: Path) -> None:
+    stages, left_out = scaling.scaling(run_dirs, labels)
+    doc.heading("Scaling")
+    doc.paragraph("Weak scaling: the batch per GPU is the same at every scale. Throughput over every step but the "
+                  "first; efficiency = samples/s per GPU relative to the smallest scale; comm fraction = share of "
+                  "step time a rank was blocked in communication (async calls overlapped with compute do not "
+                  "count), averaged over ranks. Definitions: analysis/scaling.py. Numbers: scaling.json.")
+    if left_out:
+        doc.paragraph("Left out (no throughput in metrics.jsonl): " + ", ".join(left_out) + ".")
+    scaling.write_scaling_json(stages, out_dir / "scaling.json")
+    for table, (stage, points) in zip(scaling.scaling_tables(stages), stages.items()):
+        doc.table(table)
+        doc.figure(scaling.scaling_figure(stage, points, out_dir / f"scaling-{stage}.png"))
+
+
 def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = None) -> Path:
     """Write index.html, report.md and the PNGs into out_dir; returns the HTML's path."""
     run_dirs = list(dict.fromkeys(Path(r).resolve() for r in run_dirs))  # a directory given twice counts once
@@ -105,6 +121,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     doc.paragraph("Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
                   "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
                   "(see analysis/overlap.py).")
+    if scaling.is_scaling_set(run_dirs):
+        scaling_section(doc, run_dirs, list(runs), out_dir)
     for run, stages in runs.items():
         prefix = f"{run.replace('/', '_')}-" if len(runs) > 1 else ""
         doc.heading(f"Run {run}")
@@ -125,16 +143,29 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     return out_dir / "index.html"
 
 
+def started_scales(sweep_dir: Path) -> list[Path]:
+    """The sweep's run directories that exist (a scale still queued has none yet)."""
+    listed = scaling.sweep_run_dirs(sweep_dir)
+    for run in listed:
+        if not (run / "config.yaml").is_file():
+            print(f"hpcr1 report: {run} has not started; left out", file=sys.stderr)
+    return [run for run in listed if (run / "config.yaml").is_file()]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
-                        help="run directories (compared when several)")
+                        help="run directories (compared when several; a scaling section when their sizes differ), "
+                             "or the directory of an `hpcr1 sweep`")
     parser.add_argument("--out", type=Path, help="default: <first run>/report")
     parser.add_argument("--commbench", type=Path, help="a commbench JSON to draw as achievable bandwidth")
     args = parser.parse_args(argv)
+    out = args.out or args.run_dirs[0] / "report"
+    if len(args.run_dirs) == 1 and (args.run_dirs[0] / scaling.SWEEP_FILE).is_file():
+        args.run_dirs = started_scales(args.run_dirs[0]) or parser.error("no scale of the sweep has started")
     missing = [str(r) for r in args.run_dirs if not r.is_dir()]
     if missing:
         parser.error(f"not a run directory: {', '.join(missing)}")
     bench = json.loads(args.commbench.read_text()) if args.commbench else None
-    print(write_report(args.run_dirs, args.out or args.run_dirs[0] / "report", bench))
+    print(write_report(args.run_dirs, out, bench))
     return 0

@@ -91,8 +91,8 @@ def cross_stage_table(stages: list[StageSummary]) -> Table:
     rows = []
     for s in stages:
         top = s.by_op()[0][0] if s.events else "-"
-        rows.append([s.name, str(len(s.ranks)), str(s.steps), ms(s.comm_seconds() / s.steps),
-                     size(s.total_bytes() / s.steps), top, f"{s.imbalance():.2f}"])
+        rows.append([s.name, str(len(s.ranks)), str(s.steps), ms(s.comm_seconds_per_step()),
+                     size(s.bytes_per_step()), top, f"{s.imbalance():.2f}"])
     return Table("Across stages", ["stage", "ranks", "steps", "comm ms / step", "bytes / step", "costliest op",
                                    "imbalance (max/mean)"], rows)
 
@@ -101,8 +101,8 @@ def comparison_table(runs: dict[str, list[StageSummary]]) -> Table:
     rows = []
     for run, stages in runs.items():
         for s in stages:
-            rows.append([run, s.name, str(len(s.ranks)), ms(s.comm_seconds() / s.steps),
-                         size(s.total_bytes() / s.steps),
+            rows.append([run, s.name, str(len(s.ranks)), ms(s.comm_seconds_per_step()),
+                         size(s.bytes_per_step()),
                          *(f"{s.median_busbw(op) / 1e9:.3f}" for op in ("all_reduce", "all_gather", "reduce_scatter"))])
     return Table("Comparison across runs", ["run", "stage", "ranks", "comm ms / step", "bytes / step",
                                             "all_reduce busbw GB/s", "all_gather busbw GB/s",

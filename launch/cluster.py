@@ -4,16 +4,52 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import ConfigError, Section
 
 PROFILES = Path(__file__).resolve().parents[1] / "slurm" / "profiles"
 # Values that go into #SBATCH lines: sbatch parses those lines itself, so they must be plain tokens.
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%=+/-]*$")
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class RayPorts(Section):
+    """Where the Ray cluster of a verl stage listens: fixed ports, so a site can open them in its
+    firewall and two jobs on one node can be told apart (give them different profiles)."""
+    gcs_port: Port = 6379
+    """The head's GCS server (the address workers join)."""
+    node_manager_port: Port = 6380
+    """Each node's raylet."""
+    object_manager_port: Port = 6381
+    """Each node's object manager."""
+    client_server_port: Port = 10001
+    """The head's Ray client server."""
+    dashboard_port: Port = 8265
+    """The head's (minimal) dashboard server, which Ray starts even with the dashboard UI off."""
+    min_worker_port: Port = 10002
+    """Lowest port a Ray worker process may take."""
+    max_worker_port: Port = 10999
+    """Highest port a Ray worker process may take."""
+    dashboard_agent_listen_port: Port = 52365
+    """Each node's dashboard agent (HTTP); Ray starts it even without the dashboard."""
+    dashboard_agent_grpc_port: Port = 52366
+    """Each node's dashboard agent (gRPC)."""
+    runtime_env_agent_port: Port = 52367
+    """Each node's runtime-environment agent."""
+    metrics_export_port: Port = 52368
+    """Each node's Prometheus metrics endpoint."""
+    ready_timeout_s: Annotated[int, Field(gt=0)] = 600
+    """Seconds to wait for every node to join with its GPUs before the job fails."""
+
+    @model_validator(mode="after")
+    def _worker_range(self):
+        if self.min_worker_port > self.max_worker_port:
+            raise ValueError(f"min_worker_port {self.min_worker_port} is above max_worker_port {self.max_worker_port}")
+        return self
 
 
 class ClusterProfile(Section):
@@ -53,6 +89,9 @@ class ClusterProfile(Section):
     """Environment set before launch (NCCL/libfabric settings, caches)."""
     setup: list[str] = []
     """Shell lines run before the stage, e.g. 'module load cudatoolkit' (trusted: written by the site)."""
+    ray: RayPorts = RayPorts()
+    """Ports and start-up timeout of the Ray cluster a verl GRPO stage starts on its allocation."""
+
     @field_validator("name", "partition", "account", "qos", "constraint", "time_limit")
     @classmethod
     def _plain_token(cls, value):

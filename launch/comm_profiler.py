@@ -39,9 +39,11 @@ from launch.phases import current_phase
 # DESIGN.md's schema, plus async_op: whether the caller went on working while the call ran (the only
 # calls whose time can overlap compute; analysis/overlap.py), and t_wait: when the caller began waiting
 # for an async call's result, where that is seen (functional collectives' wait_tensor), else null;
-# from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once).
+# from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once); and
+# attempt: the stage's attempt (manifest) whose ranks made the call. Every attempt appends to the same
+# file, so steps an attempt redoes after a crash are recorded twice; the reader keeps the last.
 FIELDS = ("stage", "step", "phase", "rank", "op", "bytes", "dtype", "group_size", "group_ranks", "peer", "seq",
-          "t_start", "t_end", "backend", "source", "async_op", "t_wait")
+          "t_start", "t_end", "backend", "source", "async_op", "t_wait", "attempt")
 T_WAIT = FIELDS.index("t_wait")
 DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 
@@ -124,9 +126,9 @@ class CommProfiler:
             prof.flush()   # optional: writes what has completed so far
     """
 
-    def __init__(self, out_dir: Path, stage: str, rank: int):
+    def __init__(self, out_dir: Path, stage: str, rank: int, attempt: int = 1):
         self.path = Path(out_dir) / f"rank-{rank:05d}.jsonl"
-        self.stage, self.rank, self.step = stage, rank, 0
+        self.stage, self.rank, self.attempt, self.step = stage, rank, attempt, 0
         self.events: list[list] = []  # rows in FIELDS order, t_end filled in on completion
         self._seq: dict[tuple, int] = {}
         self._groups: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -206,7 +208,7 @@ class CommProfiler:
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
         event = [self.stage, self.step, current_phase(), self.rank, op, nbytes_, dtype, len(group_ranks),
-                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op, None]
+                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op, None, self.attempt]
         self.events.append(event)
         return event
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -38,4 +39,15 @@ def run_stage_locally(run_dir: Path, stage_id: str, nproc: int, pass_fds: tuple[
     # One intra-op thread pool per rank sized to its share of the cores: oversubscription
     # (every rank using every core) makes gloo collectives and matmuls crawl.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.run(torchrun_command(run_dir, stage_id, nproc), env=env, pass_fds=pass_fds).returncode
+    return run_forwarding_usr1(torchrun_command(run_dir, stage_id, nproc), env, pass_fds)
+
+
+def run_forwarding_usr1(command: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:
+    """Run the stage's launcher (torchrun or srun) to its end, passing a USR1 sent to this process on
+    to it: the ranks checkpoint at the next step boundary and exit with PREEMPTED_EXIT."""
+    proc = subprocess.Popen(command, env=env, pass_fds=pass_fds)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: proc.send_signal(signum))
+    try:
+        return proc.wait()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

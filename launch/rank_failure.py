@@ -53,15 +53,15 @@ def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
 
 def forget_failures(log_dir: Path) -> None:
     """Before an attempt: what an earlier attempt's ranks left must not be read as this one's."""
-    for path in [*log_dir.glob("rank-*.error.json"), log_dir / TORCHRUN_FAILURES]:
-        path.unlink(missing_ok=True)
+    for path in [*log_dir.glob("rank-*.error.json"), *log_dir.glob(f"*{TORCHRUN_FAILURES}")]:
+        path.unlink()
 
 
 def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     """(how torchrun saw the failed ranks end, by rank in the order it saw them; the exceptions the
-    ranks recorded, by rank)."""
-    ended_file = log_dir / TORCHRUN_FAILURES
-    exits = json.loads(ended_file.read_text()) if ended_file.exists() else []
+    ranks recorded, by rank). Under Slurm each node's torchrun writes a file of its own, named
+    after the node."""
+    exits = [e for path in sorted(log_dir.glob(f"*{TORCHRUN_FAILURES}")) for e in json.loads(path.read_text())]
     records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
     return {e["rank"]: e for e in exits}, {r["rank"]: r for r in records}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from launch.cluster import ClusterProfile
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
+VERL_TEMPLATE = TEMPLATE.with_name("verl_grpo.sbatch")
 REPO = Path(__file__).resolve().parents[1]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -45,8 +46,20 @@ def env_exports(profile: ClusterProfile) -> list[str]:
 
 def render_stage_script(profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int,
                         python: str = sys.executable) -> str:
+    return _render(TEMPLATE, profile, run_dir, stage_id, nodes, python)
+
+
+def render_verl_script(profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int,
+                       python: str = sys.executable) -> str:
+    """A GRPO stage with engine 'verl': Ray on the allocation with the profile's ports, then the stage."""
+    return _render(VERL_TEMPLATE, profile, run_dir, stage_id, nodes, python,
+                   gpus_per_node=profile.gpus_per_node, **profile.ray.model_dump())
+
+
+def _render(template: Path, profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str,
+            **extra) -> str:
     q = shlex.quote
-    return TEMPLATE.read_text().format(
+    return template.read_text().format(
         directives="\n".join(f"#SBATCH {d}" for d in directives(profile, nodes)),
         profile=profile.name,
         env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
@@ -56,6 +69,7 @@ def render_stage_script(profile: ClusterProfile, run_dir: Path, stage_id: str, n
         python=q(python),
         run_dir=q(str(run_dir)),
         stage=q(stage_id),
+        **extra,
     )
 
 

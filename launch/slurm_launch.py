@@ -1,15 +1,17 @@
 """Inside a Slurm allocation: start the stage's ranks with srun (one task per rank, rank/world
-from the Slurm env) or with torchrun per node (c10d rendezvous on the first node); forward USR1/TERM
-to them. No sleeps: torch.distributed's rendezvous waits for every rank with its own timeout."""
+from the Slurm env) or with torchrun per node (c10d rendezvous on the first node, through
+launch.torchrun); forward USR1 to them. No sleeps: torch.distributed's rendezvous waits for every
+rank with its own timeout."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from launch.local import repo_env
+from launch.local import repo_env, run_forwarding_usr1
+from launch.rank_failure import TORCHRUN_FAILURES
+from pipeline.rundir import RunDir
 
 
 def first_host(nodelist: str) -> str:
@@ -29,20 +31,20 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
     nodes = os.environ["SLURM_NNODES"]
     per_node = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
     endpoint = f"{first_host(os.environ['SLURM_JOB_NODELIST'])}:{rendezvous_port(os.environ['SLURM_JOB_ID'])}"
-    return ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+    # Each node's torchrun writes how its ranks failed; the file is per node.
+    failures = RunDir(run_dir).logs(stage_id) / f"{os.environ.get('SLURMD_NODENAME', 'node')}-{TORCHRUN_FAILURES}"
+    return ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", sys.executable, "-m", "launch.torchrun",
+            str(failures), f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}", *worker]
 
 
-def run_stage_in_allocation(run_dir: Path, stage_id: str) -> int:
+def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, ...] = ()) -> int:
+    """srun's exit code. `pass_fds`: descriptors srun inherits (the run directory's lock)."""
     env = repo_env()
     env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
     env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
-    proc = subprocess.Popen(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env=env)
-
-    # srun passes USR1 on to every task, whose handler asks for a checkpoint (launch/preemption.py).
-    signal.signal(signal.SIGUSR1, lambda signum, frame: proc.send_signal(signum))
-    return proc.wait()
+    # srun passes USR1 on to every task: a rank, or launch.torchrun, which passes it to its ranks.
+    return run_forwarding_usr1(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env, pass_fds)
 
 
 def requeue_self() -> None:

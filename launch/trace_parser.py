@@ -7,10 +7,13 @@ under it (same "External id" as the call or its `nccl:` annotation). Gloo traces
 record_param_comms: the `c10d::<op>` cpu_op gives the op and the tensors' dims, and the `gloo:<op>`
 annotation that the gloo thread runs next gives the dtype and the completion (its duration includes
 waiting for peers). Gloo traces name no group: the world group (distributedInfo) is assumed.
-Phases come from the enclosing `phase:<name>` ranges (launch/phases.py), steps from ProfilerStep#N.
+Phases come from the enclosing `phase:<name>` ranges (launch/phases.py), or from ranges another
+trainer names (`phase_names`: verl's role annotations), steps from ProfilerStep#N. Traces may be
+gzipped (verl writes .json.gz).
 """
 from __future__ import annotations
 
+import gzip
 import json
 from bisect import bisect_right
 from pathlib import Path
@@ -31,11 +34,14 @@ ELEMENT = {"Float": ("float32", 4), "float": ("float32", 4), "Double": ("float64
            "signed char": ("int8", 1), "Bool": ("bool", 1), "bool": ("bool", 1)}
 
 
-def parse_trace(path: Path, stage: str = "trace") -> list[dict]:
-    trace = json.loads(Path(path).read_text())
+def parse_trace(path: Path, stage: str = "trace", phase_names: dict[str, str] | None = None) -> list[dict]:
+    """`phase_names`: {range name: phase} for ranges that are phases without our `phase:` prefix."""
+    path = Path(path)
+    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+        trace = json.load(f)
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     info = trace.get("distributedInfo", {})
-    context = Context(spans, trace.get("baseTimeNanoseconds", 0), stage, info.get("rank", 0))
+    context = Context(spans, trace.get("baseTimeNanoseconds", 0), stage, info.get("rank", 0), phase_names or {})
     if any(e["name"] == "record_param_comms" for e in spans):
         return nccl_events(spans, context)
     return gloo_events(spans, context, tuple(range(info.get("world_size", 1))), info.get("backend", "gloo"))
@@ -44,9 +50,11 @@ def parse_trace(path: Path, stage: str = "trace") -> list[dict]:
 class Context:
     """What an event inherits from where it sits in the trace: phase, step, wall-clock time."""
 
-    def __init__(self, spans: list[dict], base_ns: int, stage: str, rank: int):
+    def __init__(self, spans: list[dict], base_ns: int, stage: str, rank: int, phase_names: dict[str, str]):
         self.base_ns, self.stage, self.rank = base_ns, stage, rank
-        self.phases = sorted((e for e in spans if e["name"].startswith("phase:")), key=lambda e: e["ts"])
+        self.phase_names = {**phase_names, **{e["name"]: e["name"].removeprefix("phase:") for e in spans
+                                              if e["name"].startswith("phase:")}}
+        self.phases = sorted((e for e in spans if e["name"] in self.phase_names), key=lambda e: e["ts"])
         self.steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
 
     def seconds(self, ts_us: float) -> float:
@@ -63,7 +71,7 @@ class Context:
         key = (ranks, op)
         seq[key] = seq.get(key, -1) + 1
         return {"stage": self.stage, "step": int(step["name"].split("#")[1]) if step else 0,
-                "phase": phase["name"].removeprefix("phase:") if phase else "none", "rank": self.rank, "op": op,
+                "phase": self.phase_names[phase["name"]] if phase else "none", "rank": self.rank, "op": op,
                 "bytes": nbytes, "dtype": dtype, "group_size": len(ranks), "group_ranks": list(ranks), "peer": None,
                 "seq": seq[key], "t_start": self.seconds(start_us), "t_end": self.seconds(end_us),
                 "backend": backend, "source": "trace", "async_op": False}

@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     from launch.preemption import install_handlers
     from launch.rank_failure import record_exception
     from pipeline.config import RunConfig
+    from pipeline.manifest import Manifest
     from pipeline.rundir import RunDir
     from stages.context import StageContext
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     info = init_distributed()
     install_handlers()
-    profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank) if cfg.profile.comm else None
+    attempt = Manifest(run.root).stage(stage_id)["attempts"]
+    profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank, attempt) if cfg.profile.comm else None
     ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal, profiler=profiler)
     try:
         with profiler or contextlib.nullcontext():

@@ -75,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sb.set_defaults(func=cmd_submit)
 
+    sw = sub.add_parser("sweep", help="weak scaling: one run per GPU count, the batch per GPU fixed")
+    sw.add_argument("config")
+    sw.add_argument("--gpus", required=True, help="GPU (rank) counts, comma-separated, e.g. 16,32,64,128")
+    sw.add_argument("--per-gpu-batch", type=int, required=True,
+                    help="SFT sequences per data-parallel rank, GRPO prompts per rank (pipeline/sweep.py)")
+    sw.add_argument("--cluster", help="submit every scale to this cluster (default: run them here, one by one)")
+    sw.add_argument("--sweep-dir", help="default: runs/<name>-sweep")
+    sw.add_argument("--only", help="comma-separated stage ids")
+    sw.add_argument("--dry-run", action="store_true",
+                    help="write the run directories (and sbatch scripts with --cluster), run or submit nothing")
+    sw.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    sw.set_defaults(func=cmd_sweep)
+
     rs = sub.add_parser("resume", help="continue a run from its first stage that is not done")
     rs.add_argument("run_dir")
     rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
@@ -127,18 +140,29 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 def cmd_run(args) -> int:
     from pipeline.config import load_config
-    from pipeline.driver import StageFailed, run_pipeline
     from pipeline.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
-    only = args.only.split(",") if args.only else None
+    rc = run_here(cfg, run, Path(args.config).parent, args.only.split(",") if args.only else None)
+    if rc == 0:
+        print(f"run directory: {run.root}")
+    return rc
+
+
+def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
+    """Run the stage graph on this machine; the exit code says how it ended."""
+    from launch.preemption import PREEMPTED_EXIT
+    from pipeline.driver import StageFailed, StagePreempted, run_pipeline
+
     try:
-        run_pipeline(cfg, run, Path(args.config).parent, only)
+        run_pipeline(cfg, run, base, only)
     except StageFailed as e:
         print(f"hpcr1: {e}", file=sys.stderr)
         return 1
-    print(f"run directory: {run.root}")
+    except StagePreempted as e:  # a USR1 (e.g. a batch system's warning): the same command continues
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     return 0
 
 
@@ -154,10 +178,27 @@ def cmd_submit(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from launch.cluster import load_profile
+    from pipeline.driver import StageFailed
+    from pipeline.sweep import parse_gpu_counts, plan_sweep, run_sweep
+
+    only = args.only.split(",") if args.only else None
+    profile = load_profile(args.cluster) if args.cluster else None
+    sweep = plan_sweep(Path(args.config), args.overrides, parse_gpu_counts(args.gpus), args.per_gpu_batch,
+                       Path(args.sweep_dir) if args.sweep_dir else None, only, profile)
+    try:
+        run_sweep(sweep, args.dry_run)
+    except StageFailed as e:
+        print(f"hpcr1: {e}", file=sys.stderr)
+        return 1
+    print(f"sweep directory: {sweep.root} (hpcr1 report {sweep.root})")
+    return 0
+
+
 def cmd_resume(args) -> int:
     from launch.cluster import load_profile
     from pipeline.config import load_resolved
-    from pipeline.driver import StageFailed, run_pipeline
     from pipeline.rundir import RunDir
     from pipeline.submit import submit
 
@@ -166,12 +207,7 @@ def cmd_resume(args) -> int:
     if args.cluster:
         submit(cfg, run, run.root, load_profile(args.cluster), args.nodes, dry_run=False)
         return 0
-    try:
-        run_pipeline(cfg, run, run.root)
-    except StageFailed as e:
-        print(f"hpcr1: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_here(cfg, run, run.root)
 
 
 def cmd_cancel(args) -> int:

@@ -154,7 +154,39 @@ class SFTStage(Section):
         return [src for src in (self.init_from, self.data) if src not in ("base", "curated")]
 
 
+class VerlConfig(Section):
+    """What verl's trainer needs that the GRPO fields do not say (read only when engine is 'verl')."""
+    backend: Literal["fsdp", "megatron"] = "fsdp"
+    """How verl shards the actor and reference: FSDP, or megatron-core with the tp/pp below."""
+    megatron_tp: PositiveInt = 1
+    """Tensor-parallel size of the megatron actor and reference (backend 'megatron')."""
+    megatron_pp: PositiveInt = 1
+    """Pipeline-parallel size of the megatron actor and reference (backend 'megatron')."""
+    rollout: Literal["vllm", "sglang"] = "vllm"
+    """Inference engine that generates the rollouts."""
+    rollout_tp: PositiveInt = 4
+    """GPUs one rollout engine instance spans (tensor parallel); divides the GPUs of a node."""
+    gpu_memory_utilization: Probability = 0.6
+    """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
+    param_offload: bool = False
+    """FSDP: keep the actor's and reference's parameters in host memory between uses."""
+    optimizer_offload: bool = False
+    """FSDP: keep the actor's optimizer states in host memory between updates."""
+    micro_batch_size_per_gpu: PositiveInt = 1
+    """Sequences per forward/backward on one GPU, for the update and for log-probs."""
+    max_prompt_length: PositiveInt = 512
+    """Longest prompt in tokens, chat template included; a longer prompt is an error, not truncated."""
+    profile_steps: list[PositiveInt] = [2]
+    """Steps recorded by the torch profiler (when profile.comm is on); their traces become
+    <stage>/profile/ events."""
+
+
 class GRPOStage(Section):
+    engine: Literal["native", "verl"] = "native"
+    """'native': the in-tree SPMD trainer (torchrun, runs anywhere); 'verl': hand the stage to
+    verl.trainer.main_ppo (Ray, vLLM/SGLang rollout; GPU clusters only, through `hpcr1 submit`)."""
+    verl: VerlConfig = VerlConfig()
+    """verl-only settings (backend, rollout engine, offload, profiled steps)."""
     init_from: str = "stage1_sft"
     """The earlier stage whose final/ model is both the starting policy and the frozen reference."""
     steps: PositiveInt = 40
@@ -458,6 +490,8 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
 def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
+    if s.engine == "verl":
+        return  # verl splits batches over GPUs its own way: checked against verl's rules at submission
     if s.prompts_per_step % cfg.nproc:
         raise ConfigError(f"{sid}.prompts_per_step", f"{s.prompts_per_step} is not a multiple of nproc ({cfg.nproc})")
     if (s.prompts_per_step // cfg.nproc) % s.mini_batches:

@@ -22,6 +22,7 @@ from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
 from pipeline.runlock import hold_run_dir
 from stages.checkpoint import CheckpointDir
+from stages.engines.verl_trainer import refuse_local_verl
 
 
 class StageFailed(RuntimeError):
@@ -36,6 +37,7 @@ def run_pipeline(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] 
                  echo=print, launcher=run_stage_locally) -> None:
     """`launcher(run_dir, stage_id, nproc, pass_fds=...)` starts a stage's ranks and returns their
     exit code: torchrun here; tests of the stage graph's decisions pass a quick stand-in."""
+    refuse_local_verl(cfg, only)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo) as lock_fd:
         write_run(cfg, run, task, config_dir)

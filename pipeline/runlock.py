@@ -1,4 +1,4 @@
-"""One `hpcr1 run`/`resume` at a time on a run directory.
+"""One `hpcr1 run`/`resume`/stage job at a time on a run directory.
 
 An flock on <run>/run.lock, held while the driver lives and by the torchrun it starts (the lock's
 file descriptor is passed on), so the kernel releases it however they end, kill -9 included; a
@@ -23,13 +23,14 @@ class RunDirBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def hold_run_dir(path: Path, echo=print):
-    """Takes the lock file `path` (RunDir.lock) or raises RunDirBusy naming its holder; yields the
-    lock's file descriptor, for child processes that must hold it too."""
+def hold_run_dir(path: Path, echo=print, wait_s: float = 0.0):
+    """Takes the lock file `path` (RunDir.lock), waiting up to `wait_s` for its holder to let go, or
+    raises RunDirBusy naming the holder; yields the lock's file descriptor, for child processes that
+    must hold it too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _acquire(fd, path, echo)
+        _acquire(fd, path, echo, time.monotonic() + wait_s)
         previous = _read(fd)
         if previous:
             echo(f"hpcr1: note: {path} was left by {_describe(previous)}, which is no longer running; taking it over")
@@ -43,18 +44,27 @@ def hold_run_dir(path: Path, echo=print):
         os.close(fd)  # releases the flock unless a child still holds the descriptor
 
 
-def _acquire(fd: int, path: Path, echo) -> None:
+def _acquire(fd: int, path: Path, echo, deadline: float) -> None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _read(fd)
-        who = _describe(holder) if holder else "another process (it has not written its name yet)"
-        raise RunDirBusy(f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
-                         f"wait for it to end or stop it, then run again") from None
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                holder = _read(fd)
+                who = _describe(holder) if holder else "another process (it has not written its name yet)"
+                raise RunDirBusy(f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
+                                 f"wait for it to end or stop it, then run again")
+            time.sleep(0.1)
     except OSError as e:
         # Some parallel file systems are mounted without lock support: run, but say what is lost.
         echo(f"hpcr1: warning: cannot lock {path} ({e.strerror}); a second run on this directory "
              f"would not be refused")
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _describe(holder: str) -> str:

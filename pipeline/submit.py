@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from launch.cluster import ClusterProfile
-from launch.sbatch import render_stage_script, sbatch_command
+from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import requeue_self, run_stage_in_allocation
 from pipeline.atomic import atomic_write_text
 from pipeline.config import ConfigError, RunConfig, load_resolved
@@ -19,31 +19,36 @@ from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run,
 from pipeline.manifest import Manifest
 from pipeline.rundir import RunDir
 from pipeline.runlock import hold_run_dir
+from stages.engines.verl_job import run_verl_stage
+from stages.engines.verl_trainer import check_verl_stage, verl_stages
 
 
 def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
-           dry_run: bool, echo=print) -> dict[str, str]:
-    """Returns {stage id: job id} (script paths on a dry run)."""
+           dry_run: bool, echo=print, only: list[str] | None = None) -> dict[str, str]:
+    """Returns {stage id: job id} (script paths on a dry run); `only` limits it to those stages."""
     if nodes < 1:
         raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
     world = nodes * profile.tasks_per_node()
     if world != cfg.nproc:
         raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
                           f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
-    task = check_run(cfg, config_dir)
+    for sid in verl_stages(cfg, only):
+        check_verl_stage(cfg, run, sid, nodes, profile.gpus_per_node)
+    task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
-        return _submit_stages(cfg, run, profile, nodes, dry_run, echo)
+        return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
 
 
 def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: int, dry_run: bool,
-                   echo) -> dict[str, str]:
+                   echo, only: list[str] | None) -> dict[str, str]:
     manifest = Manifest(run.root)
     submitted: dict[str, str] = {}
     previous = None
-    for sid in stages_to_run(cfg, run, manifest):
+    for sid in [sid for sid in stages_to_run(cfg, run, manifest) if not only or sid in only]:
         script = run.logs(sid) / f"{sid}.sbatch"
-        atomic_write_text(script, render_stage_script(profile, run.root.resolve(), sid, nodes))
+        render = render_verl_script if sid in verl_stages(cfg) else render_stage_script
+        atomic_write_text(script, render(profile, run.root.resolve(), sid, nodes))
         cmd = sbatch_command(script, run.root.resolve(), sid, previous)
         if dry_run:
             echo(f"{sid}: {script}\n  {' '.join(cmd)}")
@@ -59,14 +64,22 @@ def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: 
     return submitted
 
 
+# A stage job may start while `hpcr1 submit` still holds the run directory, submitting later stages.
+SUBMIT_GRACE_S = 120
+
+
 def run_stage_job(run: RunDir, stage_id: str) -> int:
-    """The body of one stage's batch job: run the ranks, requeue the job if they were preempted."""
+    """The body of one stage's batch job: run the ranks, requeue the job if they were preempted. The
+    job holds the run directory like `hpcr1 run` does (its launcher too), so a local run or resume
+    started meanwhile is refused instead of writing beside it."""
     cfg = load_resolved(run)
-    try:
-        run_stage(cfg, run, Manifest(run.root), stage_id, lambda: run_stage_in_allocation(run.root, stage_id))
-    except StagePreempted as e:
-        print(e, flush=True)
-        requeue_self()
+    launch = run_verl_stage if stage_id in verl_stages(cfg) else run_stage_in_allocation
+    with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
+        try:
+            run_stage(cfg, run, Manifest(run.root), stage_id, lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)))
+        except StagePreempted as e:
+            print(e, flush=True)
+            requeue_self()
     return 0
 
 

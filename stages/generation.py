@@ -1,10 +1,28 @@
-"""Batched generation with Hugging Face `generate` (KV cache): prompts left-padded into one batch,
-responses decoded from the new tokens only."""
+"""Batched generation for Hugging Face Llama modules: prompts left-padded into one batch, prefilled
+once, then decoded one token a step into a preallocated KV cache; responses decoded from the new
+tokens only.
+
+Our own loop rather than HF `generate`, which on the embedded default's tiny model spends much of
+its time on work per token that is not the model's arithmetic (bench/generation_vs_hf.py has the
+profile and the ratio). The loop reads the module's weights at every call (so the rollout's `load_weights` applies)
+and its rotary embedding (so every static RoPE type, Llama 3's included, is the module's own), and
+samples like HF: logits in fp32, divided by the temperature, then top-p (nucleus, at least one
+token kept), one `torch.multinomial` draw per row and step from the global torch RNG, so the same
+seed draws the same tokens as `generate` with `top_k=0`. No top-k: `generate`'s default of 50 was
+never asked for, and the GRPO loss's log-probs are those of the untruncated tempered softmax.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from stages.data.tokenizer import encode_prompt
+
+# RoPE types whose frequencies change with the sequence length: HF recomputes them as the sequence
+# grows, this loop computes the table once, so it would differ from the module.
+LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
 def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,18 +35,212 @@ def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
     return input_ids, attention
 
 
+@dataclass
+class Layer:
+    """One decoder layer's weights, with q/k/v and gate/up concatenated so that each is one matmul.
+    The concatenations are copies made at every call (so they follow `load_weights`): while a call
+    generates, about 2/3 of the decoder's weights are held twice."""
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _cat_bias(*linears) -> torch.Tensor | None:
+    return None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+
+
+def read_layers(model) -> list[Layer]:
+    layers = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(Layer(
+            attn_norm=layer.input_layernorm.weight,
+            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+            out=attn.o_proj.weight, out_bias=attn.o_proj.bias,
+            mlp_norm=layer.post_attention_layernorm.weight,
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias))
+    return layers
+
+
+def check_supported(model) -> None:
+    config = model.config
+    if config.model_type != "llama":
+        raise ValueError(f"generation supports Llama models; this one is model_type={config.model_type!r}")
+    if config.hidden_act != "silu":
+        raise ValueError(f"generation supports hidden_act 'silu'; this model has {config.hidden_act!r}")
+    rope_type = model.model.rotary_emb.rope_type
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"generation supports static RoPE types; this model's rope_type is {rope_type!r}")
+
+
+class Decoder:
+    """The forward passes of one generate call over left-padded prompts [b, prompt_len]: `prefill`,
+    then `step` once a new token, on a KV cache [layers, b, 2 * kv_heads (keys then values),
+    prompt_len + max_new_tokens, head_dim]. Both return the last position's hidden state."""
+
+    def __init__(self, model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int):
+        check_supported(model)
+        config, weight, device = model.config, model.lm_head.weight, input_ids.device
+        self.layers, self.embed = read_layers(model), model.model.embed_tokens.weight
+        self.final_norm, self.lm_head = model.model.norm.weight, weight
+        self.eps, self.hidden = config.rms_norm_eps, config.hidden_size
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.input_ids = input_ids
+        (b, self.prompt_len), max_len = input_ids.shape, input_ids.shape[1] + max_new_tokens
+        self.cache = torch.empty(len(self.layers), b, 2 * self.kv_heads, max_len, self.head_dim,
+                                 dtype=weight.dtype, device=device)
+        # added to the attention scores: -inf on the prompts' pads (a float mask: sdpa converts a
+        # boolean one at every call)
+        self.key_bias = torch.zeros(b, max_len, dtype=weight.dtype, device=device)
+        self.key_bias[:, :self.prompt_len].masked_fill_(attention == 0, float("-inf"))
+        # positions count real tokens only, as HF counts them for left-padded prompts
+        prompt_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+        steps = torch.arange(1, max_new_tokens + 1, device=device)
+        positions = torch.cat([prompt_positions, prompt_positions[:, -1:] + steps], dim=1)
+        cos, sin = model.model.rotary_emb(self.embed[:1], positions)  # the module's own RoPE, any static type
+        # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign goes into the table once
+        half = self.head_dim // 2
+        self.cos, self.sin = cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+
+    def prefill(self) -> torch.Tensor:
+        """Causal attention over the prompts; a pad position attends to itself only, so no row of
+        the softmax is empty, and no real position attends to a pad."""
+        n, device = self.prompt_len, self.input_ids.device
+        future = torch.ones(n, n, dtype=torch.bool, device=device).triu(diagonal=1)
+        mask = self.key_bias[:, None, None, :n].expand(-1, 1, n, n).clone()
+        mask.diagonal(dim1=-2, dim2=-1).zero_()
+        mask.masked_fill_(future, float("-inf"))
+
+        def attend(q, keys, values):
+            b, s = q.shape[:2]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b, s, -1)
+        return self.forward(self.input_ids, 0, attend)
+
+    def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
+        """New token t [b] in; one query per row against the cache. The query heads that share a
+        key/value head are read as that head's queries, so the cache is used as it lies."""
+        length = self.prompt_len + t + 1
+        mask = self.key_bias[:, None, None, :length]
+
+        def attend(q, keys, values):
+            b = q.shape[0]
+            grouped = q.reshape(b, self.kv_heads, -1, q.shape[-1])
+            return F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask).reshape(b, 1, -1)
+        return self.forward(token[:, None], self.prompt_len + t, attend)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Llama's RMSNorm: normalised in fp32, scaled in the model's dtype."""
+        return weight * F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)
+
+    def forward(self, tokens: torch.Tensor, start: int, attend) -> torch.Tensor:
+        """tokens [b, s] at cache positions start..start + s; `attend(q, keys, values)` ->
+        [b, s, heads * head_dim] reads the cache up to start + s."""
+        b, s = tokens.shape
+        nq, nkv, stop, half = self.heads, self.kv_heads, start + s, self.head_dim // 2
+        cos, sin = self.cos[:, start:stop], self.sin[:, start:stop]
+        x = F.embedding(tokens.reshape(b * s), self.embed)  # [b * s, hidden]: 2-D matmuls, no reshapes
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(self.norm(x, w.attn_norm), w.qkv, w.qkv_bias).view(b, s, nq + 2 * nkv, self.head_dim)
+            qk = qkv[:, :, :nq + nkv]  # queries and keys rotated together, one RoPE
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            cache = self.cache[i]
+            cache[:, :nkv, start:stop] = qk[:, :, nq:].transpose(1, 2)
+            cache[:, nkv:, start:stop] = qkv[:, :, nq + nkv:].transpose(1, 2)
+            attended = attend(qk[:, :, :nq], cache[:, :nkv, :stop], cache[:, nkv:, :stop])
+            x = x + F.linear(attended.reshape(b * s, -1), w.out, w.out_bias)
+            gate, up = F.linear(self.norm(x, w.mlp_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return self.norm(x.view(b, s, -1)[:, -1], self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on with these rows only (indices into the current ones): rows that have ended stop
+        costing matmuls and attention."""
+        self.cache, self.key_bias = self.cache[:, rows], self.key_bias[rows]
+        self.cos, self.sin = self.cos[rows], self.sin[rows]
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """HF's TopPLogitsWarper: drop the least likely tokens whose total probability is at most
+    1 - top_p, always keeping the most likely one."""
+    sorted_scores, order = torch.sort(scores, descending=False)
+    drop_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    drop_sorted[..., -1:] = False
+    return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+
+
+def next_tokens(logits: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, temperature: float,
+                top_p: float) -> torch.Tensor:
+    """The next token of every row of the batch [batch], from the logits of the rows still decoding
+    [len(rows), vocab]; the others get pad_id. Sampling draws for the whole batch, as `generate`
+    does (one multinomial draw consumes the RNG by the batch's size, not by the values), so leaving
+    ended rows out of the forward does not change what the others draw."""
+    tokens = torch.full((batch,), pad_id, dtype=torch.long, device=logits.device)
+    if temperature == 0:
+        tokens[rows] = logits.argmax(dim=-1)
+        return tokens
+    scores = logits / temperature
+    if top_p < 1.0:
+        scores = top_p_filter(scores, top_p)
+    probs = torch.zeros(batch, logits.shape[1], dtype=logits.dtype, device=logits.device)
+    probs[:, pad_id] = 1.0
+    probs[rows] = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
+@torch.no_grad()
+def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
+           temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """New tokens [b, <= max_new_tokens] after left-padded prompts; a row that has emitted eos is
+    padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
+    being decoded have ended, the decoder drops them (a copy of the cache: not at every ending)."""
+    batch, device = input_ids.shape[0], input_ids.device
+    decoder = Decoder(model, input_ids, attention, max_new_tokens)
+    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
+    hidden = decoder.prefill()
+    for t in range(max_new_tokens):
+        token = next_tokens(decoder.logits(hidden), rows, batch, pad_id, temperature, top_p)
+        out[:, t] = token.masked_fill_(finished, pad_id)
+        finished |= token == eos_id
+        if t + 1 == max_new_tokens or bool(finished.all()):
+            return out[:, :t + 1]
+        live = ~finished[rows]
+        if int(live.sum()) <= 0.75 * len(rows):
+            kept = live.nonzero().squeeze(1)
+            decoder.keep(kept)
+            rows, hidden = rows[kept], hidden[kept]
+        hidden = decoder.step(token[rows], t)
+    return out
+
+
 @torch.no_grad()
 def generate_tokens(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                     top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(left-padded prompts, their attention mask, the new tokens [b, <= max_new_tokens]); rows that
     end early are padded after their eos. Greedy when temperature is 0, else sampling from the
     global torch RNG."""
+    device = model.lm_head.weight.device
     input_ids, attention = left_padded(prompt_ids, tokenizer.pad_token_id)
-    input_ids, attention = input_ids.to(model.device), attention.to(model.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-    return input_ids, attention, out[:, input_ids.shape[1]:]
+    input_ids, attention = input_ids.to(device), attention.to(device)
+    new_tokens = decode(model, input_ids, attention, max_new_tokens, tokenizer.eos_token_id,
+                        tokenizer.pad_token_id, temperature, top_p)
+    return input_ids, attention, new_tokens
 
 
 def generate_responses(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,

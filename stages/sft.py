@@ -41,7 +41,7 @@ def run(ctx: StageContext) -> None:
     bar = ctx.progress(stage.steps, initial=step)
     while step < stage.steps:
         ctx.begin_step(step + 1)
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         batch = [samples[i] for i in order.indices(step)]
         local = batch[engine.dp_rank::engine.dp_size]
         loss_tokens = count_loss_tokens(batch)
@@ -50,8 +50,8 @@ def run(ctx: StageContext) -> None:
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.input_ids) - 1 for s in batch)
         phases = {f"phase_time/{name}": t for name, t in take_phase_times().items()}
-        metrics.log(step, {**stats, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, "loss_tokens": loss_tokens,
-                           **phases})
+        metrics.log(step, {**stats, "t_start": started_wall, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
+                           "samples_per_s": len(batch) / elapsed, "loss_tokens": loss_tokens, **phases})
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
         bar.update()
         checkpoint_boundary(ctx, engine, ckpts, step)

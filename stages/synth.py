@@ -25,12 +25,13 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from launch.phases import phase, take_phase_times
-from pipeline.atomic import atomic_write_text, file_sha256
+from pipeline.atomic import atomic_write_text
 from stages.context import StageContext
 from stages.data.examples import Example, read_examples, write_examples
 from stages.engines.fsdp2 import local_device
 from stages.generation import generate_responses
 from stages.metrics import MetricsLogger
+from stages.models.hf_files import weights_sha256
 from stages.rewards.math_reward import score
 
 
@@ -126,7 +127,7 @@ def write_outputs(ctx: StageContext, prompts: list[Example], gathered: list, mod
     if not kept:
         raise RuntimeError(f"none of the {sampled} answers of {model_dir} was correct and well-formed: "
                            "there is no data for the SFT stage that reads this one")
-    model = {"path": str(model_dir.relative_to(run.root)), "sha256": file_sha256(model_dir / "model.safetensors")}
+    model = {"path": str(model_dir.relative_to(run.root)), "sha256": weights_sha256(model_dir)}
     examples = [Example(f"{prompts[c.prompt_index].id}-s{c.sample_index}", prompts[c.prompt_index].prompt,
                         prompts[c.prompt_index].answer, c.response) for c in kept]
     provenance = [{"prompt_id": prompts[c.prompt_index].id, "sample_index": c.sample_index, "reward": c.reward,

@@ -5,6 +5,11 @@ checkpoints through torch.distributed.checkpoint.
 Each decoder layer is its own FSDP unit, so only one layer's full parameters exist at a time in a
 forward; the root unit holds the embeddings, the final norm and the head. The same code runs on
 CPU (gloo, DeviceMesh "cpu") and on GPUs (NCCL).
+
+Loading never holds the whole model on a rank: the model is built on the meta device, sharded,
+and each rank reads from the safetensors files only the rows of its own shards (FSDP2 shards every
+parameter on dim 0), so a node's host memory holds the model once over all its ranks, not once
+per rank (a 70B model in fp32 is 280 GB).
 """
 from __future__ import annotations
 
@@ -18,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.models.convert import save_hf_dir
+from stages.models.hf_files import HFCheckpoint, save_hf_dir
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -30,16 +35,47 @@ def local_device() -> torch.device:
 
 
 def load_sharded(hf_dir: Path, trainable: bool) -> torch.nn.Module:
-    """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer)."""
+    """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer);
+    each rank reads only its own rows of each tensor."""
     device = local_device()
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     model.requires_grad_(trainable)
     model.train(trainable)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    _read_own_rows(model, HFCheckpoint(hf_dir))
+    _rebuild_rotary_buffers(model, device)
     return model
+
+
+@torch.no_grad()
+def _read_own_rows(model: torch.nn.Module, weights: HFCheckpoint) -> None:
+    """Fill each parameter's local shard from the files. FSDP2 splits dim 0 as torch.chunk does:
+    ceil(rows / world) rows a rank, the last ranks getting fewer (or none)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name, param in model.named_parameters():  # a tied head is the embedding's parameter: read once
+        local = param.to_local()
+        per_rank = -(-param.shape[0] // world)
+        start = min(rank * per_rank, param.shape[0])
+        local.copy_(weights.read_rows(name, start, start + local.shape[0]))
+
+
+def _rebuild_rotary_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers are not in the files, and to_empty left them uninitialised: the only
+    ones a Llama has are its rotary embedding's frequencies, recomputed from the config."""
+    for module in model.modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise NotImplementedError(f"{type(module).__name__} has buffers {sorted(module._non_persistent_buffers_set)} "
+                                      "that a sharded load cannot initialise")
+        fresh = type(module)(config=model.config, device=device)
+        for buffer in module._non_persistent_buffers_set:
+            setattr(module, buffer, getattr(fresh, buffer))
 
 
 def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from launch.phases import phase
 from pipeline.config import SFTStage
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
-from stages.models.convert import gather_megatron_shards, load_hf_into_megatron, megatron_to_hf, save_hf_dir
+from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron
 from stages.models.megatron_llama import build_megatron_llama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -84,6 +84,9 @@ class MegatronDeepSpeedEngine:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
+        # Initialised although every weight is overwritten: only megatron's init functions mark
+        # the tensor-parallel weights, and the grad norm (clipping) sums the marked ones over the
+        # TP ranks but counts an unmarked one once, as if it were replicated.
         model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
         load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
@@ -128,11 +131,8 @@ class MegatronDeepSpeedEngine:
         return client_state
 
     def export_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        """Gather the shards on rank 0 and write a Hugging Face directory (rank 0 only writes)."""
-        shards = gather_megatron_shards(self.engine.module)
-        if shards is not None:
-            save_hf_dir(megatron_to_hf(shards, self.hf_config), self.hf_config, out_dir, tokenizer_dir=tokenizer_dir)
-        dist.barrier()
+        """Write a Hugging Face directory from rank 0, gathering one layer at a time."""
+        export_megatron_to_hf(self.engine.module, self.hf_config, out_dir, tokenizer_dir)
 
     def close(self) -> None:
         parallel_state.destroy_model_parallel()

@@ -1,4 +1,5 @@
-"""The rollout role: G sampled responses per prompt, batched, with HF generate and its KV cache.
+"""The rollout role: G sampled responses per prompt, batched, with our decode loop and its KV cache
+(stages/generation.py).
 
 It keeps its own unsharded copy of the policy (as verl's rollout engine does) that `load_weights`
 overwrites with the actor's current parameters before every rollout. Measured on the tiny model

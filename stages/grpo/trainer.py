@@ -112,13 +112,14 @@ def run(ctx: StageContext) -> None:
     bar = ctx.progress(stage.steps, initial=step)
     while step < stage.steps:
         ctx.begin_step(step + 1)
-        started = time.perf_counter()
+        started, started_wall = time.perf_counter(), time.time()
         stats = train_step_at(roles, schedule, stage, cfg.seed, step)
         step += 1
         elapsed = time.perf_counter() - started
         phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}
         samples = stage.prompts_per_step * stage.group_size
-        metrics.log(step, {**stats, **phases, "step_time_s": elapsed, "samples_per_s": samples / elapsed})
+        metrics.log(step, {**stats, **phases, "t_start": started_wall, "step_time_s": elapsed,
+                           "samples_per_s": samples / elapsed})
         bar.update()
         bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", acc=f"{stats['accuracy']:.2f}")
         checkpoint_boundary(ctx, roles.actor, ckpts, step)

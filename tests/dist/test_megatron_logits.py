@@ -1,6 +1,7 @@
-"""megatron-core at TP=2 and at PP=2 on 2 real ranks computes Hugging Face's logits, loss and
-gradients on the same weights; gathering its shards gives back the HF weights bit for bit; and on
-CPU the RNG tracker's streams really switch. One torchrun launch checks both layouts (start-up,
+"""megatron-core at TP=2 and at PP=2 on 2 real ranks, streaming its shard from a sharded HF
+directory, computes Hugging Face's logits, loss and gradients on the same weights; gathering its
+shards, and its streamed export, give back the HF weights bit for bit; and on CPU the RNG
+tracker's streams really switch. One torchrun launch checks both layouts (start-up,
 mostly imports, is most of the time)."""
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def test_megatron_loss_and_gradients_equal_hf(results, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gathered_shards_convert_back_to_the_exact_hf_weights(results, layout):
     assert results[layout, "gather_exact"] == [True]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_streamed_export_reads_back_as_the_exact_hf_weights(results, layout):
+    assert results[layout, "export_exact"] == [True]
 
 
 def test_rng_tracker_streams_switch_on_cpu(results):

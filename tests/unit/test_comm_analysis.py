@@ -2,10 +2,14 @@
 of a matched call, overlap of async calls."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from analysis.bandwidth import bus_bandwidth
+from analysis.breakdown import StageSummary
 from analysis.commbench import parse_size
+from analysis.events import load_events
 from analysis.matching import match_calls, wait_by_rank
 from analysis.overlap import overlap_fraction
 
@@ -21,9 +25,32 @@ def test_bus_bandwidth_follows_nccl_tests(op, n, expected_GBps):
     assert bus_bandwidth(op, 8e9, 1.0, n) / 1e9 == pytest.approx(expected_GBps)
 
 
-def ev(rank, seq, t0, t1, op="all_reduce", async_op=False, ranks=(0, 1, 2)):
+def ev(rank, seq, t0, t1, op="all_reduce", async_op=False, ranks=(0, 1, 2), step=1, attempt=1):
     return {"rank": rank, "op": op, "seq": seq, "group_ranks": list(ranks), "t_start": t0, "t_end": t1,
-            "phase": "p", "step": 1, "bytes": 8, "async_op": async_op}
+            "phase": "p", "step": step, "bytes": 8, "async_op": async_op, "attempt": attempt}
+
+
+def test_a_step_redone_by_a_later_attempt_counts_once_and_seq_restarts_do_not_cross_match(tmp_path):
+    # Attempt 1 did steps 1-2 and died during step 3; attempt 2 resumed from the step-1 checkpoint and
+    # redid steps 2-3. Each attempt's seq starts at 0, so without the attempt step 1 and the redone
+    # step 2 would look like one call.
+    def step_call(rank, step, attempt, seq):
+        return ev(rank, seq, 10.0 * attempt + step, 10.0 * attempt + step + 0.5, ranks=(0, 1), step=step,
+                  attempt=attempt)
+
+    (tmp_path / "profile").mkdir()
+    for rank in (0, 1):
+        calls = [step_call(rank, 1, 1, 0), step_call(rank, 2, 1, 1), step_call(rank, 2, 2, 0), step_call(rank, 3, 2, 1)]
+        if rank == 0:
+            calls.insert(2, step_call(rank, 3, 1, 2))  # rank 0 got into step 3 before the crash
+        (tmp_path / "profile" / f"rank-{rank:05d}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+
+    events = load_events(tmp_path)
+    assert sorted((e["rank"], e["step"], e["attempt"]) for e in events) == [
+        (r, s, a) for r in (0, 1) for s, a in ((1, 1), (2, 2), (3, 2))]
+    calls = match_calls(events)
+    assert sorted((c.step, c.attempt, c.seq) for c in calls) == [(1, 1, 0), (2, 2, 0), (3, 2, 1)]
+    assert all(c.transfer_s == pytest.approx(0.5) for c in calls)
 
 
 def test_last_arrival_is_the_straggler_and_the_early_ranks_wait_for_it():
@@ -55,3 +82,17 @@ def test_the_time_a_rank_waits_for_its_async_call_is_not_overlapped():
 
 def test_commbench_sizes_accept_unit_suffixes():
     assert [parse_size(s) for s in ("512", "4K", "1M", "2GB")] == [512, 4096, 1 << 20, 2 << 30]
+
+
+def test_per_step_figures_leave_out_setup_and_the_final_evaluation():
+    def call(rank, step, phase, nbytes, seconds):
+        return {**ev(rank, step, 0.0, seconds, ranks=(0, 1), step=step), "phase": phase, "bytes": nbytes}
+
+    # Setup (step 0) broadcasts the weights and the evaluation of final/ (step 3) gathers results:
+    # both dwarf the two training steps' 100-byte, 10 ms all-reduces.
+    events = [call(r, step, phase, nbytes, t) for r in (0, 1) for step, phase, nbytes, t in
+              ((0, "setup", 10**6, 5.0), (1, "grad_sync", 100, 0.01), (2, "grad_sync", 100, 0.01), (3, "eval", 10**5, 1.0))]
+    summary = StageSummary("stage1_sft", events, match_calls(events), {})
+    assert summary.steps == 2
+    assert summary.bytes_per_step() == 100
+    assert summary.comm_seconds_per_step() == pytest.approx(0.01)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from stages.models.convert import hf_to_megatron, megatron_to_hf, read_hf_weights, save_hf_dir
+from stages.models.convert import hf_to_megatron, megatron_to_hf, stream_shard
+from stages.models.hf_files import INDEX, HFCheckpoint, HFDirWriter, TensorSpec, read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import transformer_config_from_hf, validate_parallel_layout
 from stages.models.tiny import build_tiny_llama
 from tests.conftest import free_port
@@ -42,6 +43,53 @@ def test_round_trip_is_bit_exact(hf_model, tp, pp):
     assert back.keys() == hf.keys()
     for key, value in hf.items():
         assert torch.equal(back[key], value), key
+
+
+@pytest.fixture(scope="module", params=["one_file", "sharded"])
+def hf_dir(request, hf_model, tmp_path_factory):
+    """hf_model saved as one model.safetensors, or as several files with an index (each file a
+    few tensors: 20 KB caps)."""
+    out = tmp_path_factory.mktemp(request.param)
+    cap = {"max_shard_bytes": 20_000} if request.param == "sharded" else {}
+    save_hf_dir(hf_model.state_dict(), CONFIG, out, **cap)
+    assert (out / INDEX).exists() == (request.param == "sharded")
+    return out
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)])
+def test_streamed_shards_equal_the_whole_tensor_reference(hf_model, hf_dir, tp, pp):
+    hf, ckpt = hf_model.state_dict(), HFCheckpoint(hf_dir)
+    for p in range(pp):
+        for t in range(tp):
+            streamed = dict(stream_shard(ckpt, CONFIG, t, tp, p, pp))
+            reference = hf_to_megatron(hf, CONFIG, t, tp, p, pp)
+            assert streamed.keys() == reference.keys()
+            for key, value in reference.items():
+                assert torch.equal(streamed[key], value), (t, p, key)
+
+
+def test_sharded_save_loads_with_transformers_bit_exactly(hf_model, tmp_path):
+    hf = hf_model.state_dict()
+    save_hf_dir(hf, CONFIG, tmp_path, max_shard_bytes=100_000)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == hf.keys() and all(torch.equal(loaded[k], v) for k, v in hf.items())
+    bf16 = {k: v.to(torch.bfloat16) for k, v in hf.items()}
+    save_hf_dir(bf16, CONFIG, tmp_path / "bf16")
+    assert AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert all(torch.equal(read_hf_weights(tmp_path / "bf16")[k], v) for k, v in bf16.items())
+
+
+def test_writer_refuses_wrong_shapes_and_missing_tensors(tmp_path):
+    writer = HFDirWriter(tmp_path, [TensorSpec("a", (2, 3), torch.float32), TensorSpec("b", (4,), torch.float32)])
+    with pytest.raises(ValueError, match=r"a: got \(3, 2\)"):
+        writer.write("a", torch.zeros(3, 2))
+    writer.write("b", torch.zeros(4))
+    with pytest.raises(ValueError, match="b: not a planned tensor, or written twice"):
+        writer.write("b", torch.zeros(4))
+    with pytest.raises(ValueError, match=r"never written: \['a'\]"):
+        writer.finish(CONFIG)
 
 
 def test_shards_have_megatron_shapes_and_local_layer_numbers(hf_model):
@@ -143,3 +191,15 @@ def test_saved_dir_loads_with_transformers_and_generates(tmp_path):
     prompt = torch.tensor([tokenizer("12+34=")["input_ids"]])
     out = loaded.generate(prompt, max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert out.shape == (1, prompt.shape[1] + 5)
+
+
+def test_weights_sha256_is_the_file_hash_or_covers_every_shard(hf_model, tmp_path):
+    from pipeline.atomic import file_sha256
+    from stages.models.hf_files import weights_sha256
+
+    hf = hf_model.state_dict()
+    save_hf_dir(hf, CONFIG, tmp_path / "one")
+    assert weights_sha256(tmp_path / "one") == file_sha256(tmp_path / "one" / "model.safetensors")
+    save_hf_dir(hf, CONFIG, tmp_path / "a", max_shard_bytes=100_000)
+    save_hf_dir({**hf, "lm_head.weight": hf["lm_head.weight"] + 1}, CONFIG, tmp_path / "b", max_shard_bytes=100_000)
+    assert weights_sha256(tmp_path / "a") != weights_sha256(tmp_path / "b")  # the change is in the last file

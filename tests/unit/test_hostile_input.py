@@ -96,7 +96,8 @@ def _kind(annotation) -> str:
     return next(a.__name__ for a in args if a is not type(None))
 
 
-WRONG_KIND = {"int": "three", "float": "fast", "str": 12345, "bool": "maybe", "literal": "no-such-choice"}
+WRONG_KIND = {"int": "three", "float": "fast", "str": 12345, "bool": "maybe", "literal": "no-such-choice",
+              "list": "every step"}
 
 
 def _out_of_bounds(info):

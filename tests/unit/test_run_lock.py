@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -98,3 +99,24 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"process {pid} did not end")
+
+
+def test_a_stage_job_waits_for_a_submit_in_progress_then_takes_the_lock(holder):
+    # `hpcr1 submit` holds the run directory while it submits the later stages; the first stage's
+    # job may already be starting. It waits (up to its grace) instead of failing, and no longer.
+    run, proc, ranks_pid = holder
+    with pytest.raises(RunDirBusy, match=f"pid {proc.pid}"):
+        with hold_run_dir(run.lock, wait_s=0.5):
+            pass
+
+    def submit_finishes():
+        time.sleep(1.0)
+        _kill(ranks_pid)
+        proc.stdin.close()
+
+    threading.Thread(target=submit_finishes).start()
+    start = time.monotonic()
+    with hold_run_dir(run.lock, wait_s=60):
+        waited = time.monotonic() - start
+        assert json.loads(run.lock.read_text())["pid"] == os.getpid()
+    assert 0.9 < waited < 30

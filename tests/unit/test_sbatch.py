@@ -54,6 +54,20 @@ def test_srun_line_launches_one_worker_per_task(tmp_path):
     assert cmd[:2] == ["srun", "--kill-on-bad-exit=1"] and cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
 
 
+def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "nid[001-002]")
+    monkeypatch.setattr("launch.slurm_launch.first_host", lambda nodelist: "nid001")  # scontrol needs slurmctld
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURMD_NODENAME", "nid001")
+    cmd = srun_command(tmp_path, "stage1_sft", "torchrun")
+    wrapper = cmd.index("launch.torchrun")
+    assert cmd[wrapper - 1] == "-m" and cmd[wrapper + 1].endswith("nid001-torchrun-failures.json")
+    assert "--rdzv-endpoint=nid001:24242" in cmd and "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd
+    assert cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
+
+
 HOSTILE = ["it's \"quoted\"", "$(touch /tmp/pwned)", "`touch /tmp/pwned`", "new\nline; touch /tmp/pwned",
            "spa ces & ; | > /tmp/pwned"]
 

@@ -1,6 +1,7 @@
 """Worker: on 2 ranks, for TP=2 and then PP=2, megatron's logits, loss and gradients vs Hugging
-Face's on the same weights (computed here, on every rank), the gathered shards converted back to
-the HF weights, and the RNG tracker's streams. Rank 0 prints every rank's findings as
+Face's on the same weights (computed here, on every rank; the megatron model streams its shard
+from a sharded HF directory), the gathered shards converted back to the HF weights, the streamed
+export read back, and the RNG tracker's streams. Rank 0 prints every rank's findings as
 `RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
 import json
 import sys
@@ -15,8 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
-from stages.models.convert import (gather_megatron_shards, gather_shards, load_hf_into_megatron, megatron_to_hf,
-                                   save_hf_dir)
+from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
+from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
@@ -24,6 +25,7 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_at
                      tie_word_embeddings=False, rms_norm_eps=1e-5)
 SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
 LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
+SHARD_BYTES = 50_000  # several files and an index, as a big model's directory has
 FINDINGS = []  # this rank's {"layout", "check", "value"}
 
 
@@ -136,7 +138,23 @@ def check_rng_streams(layout: str) -> None:
                                "default_equal": torch.equal(a_default, b_default)})
 
 
-def check_layout(tp: int, pp: int, hf_dir: Path) -> None:
+def gather_shards(local: dict[str, torch.Tensor]) -> list[list[dict]] | None:
+    """Every (pp, tp) rank's `local` dict of data-parallel replica 0 on global rank 0, as
+    shards[pp_rank][tp_rank] (None elsewhere): the whole model at once, as megatron_to_hf takes it."""
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
+            {k: v.detach().cpu() for k, v in local.items() if not k.endswith("_extra_state")})
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if parallel_state.get_data_parallel_rank() == 0 else None, gathered, dst=0)
+    if gathered is None:
+        return None
+    shards = [[None] * parallel_state.get_tensor_model_parallel_world_size()
+              for _ in range(parallel_state.get_pipeline_model_parallel_world_size())]
+    for pp, tp, state in filter(None, gathered):
+        shards[pp][tp] = state
+    return shards
+
+
+def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     layout = f"tp{tp}pp{pp}"
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -152,11 +170,16 @@ def check_layout(tp: int, pp: int, hf_dir: Path) -> None:
     if loss is not None:
         report(layout, "loss", abs(loss - hf_loss))
     grads = gather_shards({name: p.grad for name, p in model.named_parameters()})
-    shards = gather_megatron_shards(model)
+    shards = gather_shards(model.state_dict())
     if shards is not None:
         report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, CONFIG), hf))
         back, expected = megatron_to_hf(shards, CONFIG), hf.state_dict()
         report(layout, "gather_exact", back.keys() == expected.keys() and all(
+            torch.equal(back[k], v) for k, v in expected.items()))
+    export_megatron_to_hf(model, CONFIG, out / layout, max_shard_bytes=SHARD_BYTES)
+    if dist.get_rank() == 0:
+        back, expected = read_hf_weights(out / layout), hf.state_dict()
+        report(layout, "export_exact", back.keys() == expected.keys() and all(
             torch.equal(back[k], v) for k, v in expected.items()))
     if tp > 1:
         check_rng_streams(layout)
@@ -168,10 +191,10 @@ def main():
     init_distributed()
     apply_cpu_shim()
     if dist.get_rank() == 0:
-        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf")
+        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf", max_shard_bytes=SHARD_BYTES)
     dist.barrier()
     for tp, pp in ((2, 1), (1, 2)):
-        check_layout(tp, pp, out / "hf")
+        check_layout(tp, pp, out / "hf", out)
     print_findings_on_rank0()
     dist.destroy_process_group()
 

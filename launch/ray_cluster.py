@@ -1,0 +1,48 @@
+"""Waiting until the Ray cluster of a verl job is whole: every node of the allocation joined, with
+its GPUs. Polls the cluster's own node table (no fixed sleeps), with a deadline and a message that
+says what is missing. Run by slurm/templates/verl_grpo.sbatch:
+
+    python -m launch.ray_cluster ADDRESS NODES GPUS_PER_NODE TIMEOUT_S
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def gpu_nodes(nodes: list[dict], gpus_per_node: int) -> list[str]:
+    """Addresses of the live nodes that offer at least `gpus_per_node` GPUs (ray.nodes() rows)."""
+    return [n["NodeManagerAddress"] for n in nodes if n["Alive"] and n["Resources"].get("GPU", 0) >= gpus_per_node]
+
+
+def wait_for_nodes(address: str, want: int, gpus_per_node: int, timeout_s: float, poll_s: float = 2.0) -> list[str]:
+    import ray
+
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready = gpu_nodes(ray.nodes(), gpus_per_node)
+            if len(ready) >= want:
+                return ready
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"only {len(ready)} of {want} nodes joined the Ray cluster at {address} with "
+                                   f"{gpus_per_node} GPU(s) each within {timeout_s:.0f} s (joined: {ready or 'none'})")
+            time.sleep(poll_s)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str]) -> int:
+    address, want, gpus, timeout = argv[0], int(argv[1]), int(argv[2]), float(argv[3])
+    try:
+        ready = wait_for_nodes(address, want, gpus, timeout)
+    except TimeoutError as e:
+        print(f"hpcr1: error: {e}", file=sys.stderr)
+        return 1
+    print(f"Ray cluster ready: {len(ready)} node(s) with {gpus} GPU(s) each", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""A verl GRPO stage's inputs and outputs in our formats: the prompt set as verl's parquet files,
+verl's last checkpoint as our Hugging Face final/, its torch-profiler traces as profile/ events,
+and its held-out validation as eval.json."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from launch.trace_parser import parse_trace
+from pipeline.atomic import atomic_write_text
+from stages.data.examples import DataError, Example
+
+# verl's record_function ranges (DistProfiler.annotate roles) -> our GRPO phases
+VERL_PHASES = {"actor_compute_log_prob": "policy_logprob", "ref_compute_log_prob": "reference_logprob",
+               "actor_update": "policy_update"}
+# verl's step timers (marked_timer names, logged as timing_s/<name>) -> our phases
+VERL_TIMERS = {"gen": "rollout", "reward": "reward", "old_log_prob": "policy_logprob", "ref": "reference_logprob",
+               "adv": "advantage", "update_actor": "policy_update", "update_weights": "weight_sync",
+               "save_checkpoint": "checkpoint"}
+_TRACE_STEP = re.compile(r"_step(\d+)_")
+
+
+def verl_rows(examples: list[Example], split: str, data_source: str) -> list[dict]:
+    """verl's RL dataset rows: the prompt as one chat user turn (verl applies the model's chat
+    template, as encode_prompt does for the native engine) and the answer as reward ground truth."""
+    return [{"data_source": data_source, "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": ex.answer},
+             "extra_info": {"split": split, "index": i, "id": ex.id}} for i, ex in enumerate(examples)]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.replace(path)
+
+
+def check_prompt_lengths(examples: list[Example], tokenizer, max_prompt_length: int, field: str) -> None:
+    """verl is told to fail on a longer prompt (truncation=error) hours into the job; say it now."""
+    from stages.data.tokenizer import encode_prompt
+
+    for ex in examples:
+        n = len(encode_prompt(tokenizer, ex.prompt))
+        if n > max_prompt_length:
+            raise DataError(ex.id, None, f"the prompt is {n} tokens with the chat template, above {field} "
+                            f"({max_prompt_length})")
+
+
+def latest_step(ckpt_root: Path) -> int | None:
+    marker = ckpt_root / "latest_checkpointed_iteration.txt"
+    return int(marker.read_text().strip()) if marker.is_file() else None
+
+
+def merge_to_final(ckpt_root: Path, step: int, backend: str, init_dir: Path, final: Path) -> None:
+    """verl's sharded actor checkpoint of `step` -> a Hugging Face directory at `final`, with
+    verl's own merger (which writes bf16 weights); written aside and renamed, so a half-written
+    final/ never exists."""
+    actor = ckpt_root / f"global_step_{step}" / "actor"
+    if not actor.is_dir():
+        raise RuntimeError(f"verl left no actor checkpoint at {actor}")
+    staging = final.with_name("final.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    cmd = [sys.executable, "-m", "verl.model_merger", "merge", f"--backend={backend}", f"--local_dir={actor}",
+           f"--target_dir={staging}"]
+    if backend == "megatron" and json.loads((init_dir / "config.json").read_text()).get("tie_word_embeddings"):
+        cmd.append("--tie-word-embedding")
+    subprocess.run(cmd, check=True)
+    if not any(staging.glob("*.safetensors")):
+        raise RuntimeError(f"verl's merger wrote no safetensors into {staging}")
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+
+
+def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
+    """Every torch-profiler trace verl wrote -> profile/rank-NNNNN.jsonl (source "trace"). A rank's
+    traces (one per role and profiled step) are merged in time order and its per-(group, op) call
+    counters renumbered over all of them. Returns the number of events."""
+    by_rank: dict[int, list[dict]] = {}
+    for path in sorted(trace_dir.glob("*.json*")):
+        step = _TRACE_STEP.search(path.name)
+        for event in parse_trace(path, stage=stage, phase_names=VERL_PHASES):
+            if step:
+                event["step"] = int(step.group(1))
+            by_rank.setdefault(event["rank"], []).append(event)
+    for rank, events in by_rank.items():
+        events.sort(key=lambda e: e["t_start"])
+        seq: dict[tuple, int] = {}
+        for e in events:
+            key = (tuple(e["group_ranks"]), e["op"])
+            e["seq"] = seq[key] = seq.get(key, -1) + 1
+        atomic_write_text(profile_dir / f"rank-{rank:05d}.jsonl", "".join(json.dumps(e) + "\n" for e in events))
+    return sum(len(events) for events in by_rank.values())
+
+
+def write_metrics(verl_metrics: Path, metrics: Path) -> None:
+    """verl's file-logger rows ({"step", "data"}) as our metrics.jsonl: its own keys, plus the step's
+    phase wall times under our names (phase_time/<phase>, what `hpcr1 report` reads)."""
+    rows = []
+    for line in verl_metrics.read_text().splitlines():
+        row = json.loads(line)
+        data = row["data"]
+        phases = {f"phase_time/{ours}": data[f"timing_s/{theirs}"] for theirs, ours in VERL_TIMERS.items()
+                  if f"timing_s/{theirs}" in data}
+        rows.append({"step": row["step"], **data, **phases})
+    atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def held_out_result(metrics_file: Path, data_source: str, n: int) -> dict:
+    """The last validation verl logged (at the final step: the policy final/ holds), as eval.json."""
+    core, aux = f"val-core/{data_source}/acc/mean@1", f"val-aux/{data_source}/format_ok/mean@1"
+    last = None
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            data = json.loads(line).get("data", {})
+            if core in data:
+                last = data
+    if last is None:
+        raise RuntimeError(f"verl logged no held-out accuracy ({core}) in {metrics_file}")
+    return {"accuracy": float(last[core]), "format_rate": float(last[aux]) if aux in last else None, "n": n}

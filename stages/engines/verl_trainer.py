@@ -1,0 +1,224 @@
+"""A GRPO stage handed to verl (`engine: verl`): our config as the Hydra overrides of
+`verl.trainer.main_ppo`, checked by composing verl's own config and running verl's validation.
+
+Every key below is one the installed verl's `ppo_trainer` config has (Hydra rejects any other);
+tests/unit/test_verl_engine.py composes the 70B config to prove it. What runs the trainer on a
+cluster (Ray, vLLM) lives in stages/engines/verl_job.py and slurm/templates/verl_grpo.sbatch.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from pathlib import Path
+
+from pipeline.config import ConfigError, GRPOStage, RunConfig
+from pipeline.rundir import RunDir
+
+DATA_SOURCE = "hpcr1"  # the parquet rows' data_source: names our reward in verl's metrics
+REWARD_MODULE = Path(__file__).with_name("verl_reward.py")
+
+
+def verl_paths(run: RunDir, sid: str) -> dict[str, Path]:
+    """Where a verl stage keeps verl's own files inside the stage directory."""
+    stage = run.stage(sid).resolve()
+    return {"train": stage / "verl_data" / "train.parquet", "val": stage / "verl_data" / "val.parquet",
+            "ckpt": run.ckpt(sid).resolve(), "traces": stage / "verl_traces",
+            "metrics": stage / "verl_metrics.jsonl"}
+
+
+def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
+    """The `main_ppo` command line for stage `sid` on `nnodes` x `gpus_per_node` GPUs."""
+    s: GRPOStage = getattr(cfg, sid)
+    v = s.verl
+    paths = verl_paths(run, sid)
+    model = run.model_dir(s.init_from).resolve()
+    overrides = {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.use_kl_in_reward": False,  # KL is a loss term, as in the native engine
+        "critic.enable": False,
+        "data.train_files": paths["train"], "data.val_files": paths["val"],
+        "data.prompt_key": "prompt", "data.reward_fn_key": "data_source",
+        "data.train_batch_size": s.prompts_per_step,
+        "data.max_prompt_length": v.max_prompt_length, "data.max_response_length": s.max_new_tokens,
+        "data.truncation": "error", "data.seed": cfg.seed,
+        "actor_rollout_ref.model.path": model,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": s.prompts_per_step // s.mini_batches,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
+        "actor_rollout_ref.actor.ppo_epochs": s.ppo_epochs,
+        "actor_rollout_ref.actor.clip_ratio": s.clip_ratio,
+        "actor_rollout_ref.actor.clip_ratio_low": s.clip_ratio,
+        "actor_rollout_ref.actor.clip_ratio_high": s.clip_ratio,
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        "actor_rollout_ref.actor.use_kl_loss": s.kl_coef > 0,
+        "actor_rollout_ref.actor.kl_loss_coef": s.kl_coef,
+        "actor_rollout_ref.actor.kl_loss_type": s.kl_type,
+        "actor_rollout_ref.actor.entropy_coeff": 0,
+        "actor_rollout_ref.actor.data_loader_seed": cfg.seed,
+        "actor_rollout_ref.actor.optim.lr": s.lr,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": s.warmup_steps,
+        "actor_rollout_ref.actor.optim.weight_decay": 0.0,
+        "actor_rollout_ref.actor.optim.clip_grad": s.grad_clip,
+        "actor_rollout_ref.rollout.name": v.rollout,
+        "actor_rollout_ref.rollout.n": s.group_size,
+        "actor_rollout_ref.rollout.temperature": s.temperature,
+        "actor_rollout_ref.rollout.top_p": s.top_p,
+        "actor_rollout_ref.rollout.seed": cfg.seed,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": v.rollout_tp,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": v.gpu_memory_utilization,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
+        "reward.custom_reward_function.path": REWARD_MODULE,
+        "reward.custom_reward_function.name": "compute_score",
+        "+reward.custom_reward_function.reward_kwargs.format_weight": s.format_reward,
+        "trainer.nnodes": nnodes, "trainer.n_gpus_per_node": gpus_per_node,
+        "trainer.total_training_steps": s.steps,
+        "trainer.total_epochs": s.steps,  # an epoch has at least one step: never the limit
+        "trainer.save_freq": s.checkpoint_every,
+        "trainer.max_actor_ckpt_to_keep": s.keep_checkpoints,
+        "trainer.resume_mode": "auto",
+        "trainer.default_local_dir": paths["ckpt"],
+        # Held-out accuracy of the last step's policy (= final/): greedy, on our eval set.
+        "trainer.val_before_train": False, "trainer.test_freq": s.steps,
+        "trainer.project_name": cfg.wandb.project, "trainer.experiment_name": f"{run.root.name}/{sid}",
+        "trainer.logger": logger_list(cfg),
+        **backend_overrides(s),
+        **profiler_overrides(cfg, s, paths["traces"]),
+    }
+    return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+def backend_overrides(s: GRPOStage) -> dict:
+    v = s.verl
+    if v.backend == "fsdp":
+        return {"actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+                "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
+                "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
+                "actor_rollout_ref.actor.fsdp_config.optimizer_offload": v.optimizer_offload,
+                "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload}
+    # model_engine picks verl's megatron actor/ref config groups; the reference follows the actor's layout.
+    return {"model_engine": "megatron",
+            "actor_rollout_ref.actor.optim.lr_decay_style": "constant",
+            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": v.megatron_tp,
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": v.megatron_pp,
+            "actor_rollout_ref.actor.megatron.param_offload": v.param_offload,
+            "actor_rollout_ref.actor.megatron.optimizer_offload": v.optimizer_offload}
+
+
+def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path) -> dict:
+    """torch-profiler traces of the chosen steps, from every rank of the actor/reference/rollout
+    worker, into the stage directory (verl_job turns them into profile/ events)."""
+    if not cfg.profile.comm or not s.verl.profile_steps:
+        return {}
+    return {"global_profiler.tool": "torch", "global_profiler.steps": list(s.verl.profile_steps),
+            "global_profiler.save_path": traces,
+            "actor_rollout_ref.actor.profiler.enable": True, "actor_rollout_ref.actor.profiler.all_ranks": True,
+            "actor_rollout_ref.ref.profiler.enable": True, "actor_rollout_ref.ref.profiler.all_ranks": True,
+            # record_param_comms carries the collectives' sizes only with shapes recorded
+            "actor_rollout_ref.actor.profiler.tool_config.torch.contents": ["cuda", "shapes"]}
+
+
+def logger_list(cfg: RunConfig) -> list[str]:
+    """console always; file (verl_metrics.jsonl, where the held-out accuracy is read back); wandb
+    unless disabled (offline or online is WANDB_MODE's business, set by the job)."""
+    return ["console", "file"] + ([] if cfg.wandb.mode == "disabled" else ["wandb"])
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:+-]+$")
+
+
+def hydra_value(value) -> str:
+    """A Python value as Hydra's override grammar reads it back unchanged."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    text = str(value)
+    if _PLAIN.match(text) and text not in ("true", "false", "null"):
+        return text
+    if "${" in text:
+        # OmegaConf would read it as an interpolation, even quoted.
+        raise ConfigError("--run-dir", f"{text!r}: a path with '${{' cannot be passed to verl's Hydra config")
+    # Hydra's quoted strings: a backslash escapes only before a quote (or the closing quote).
+    body = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, text).replace("'", "\\'")
+    return f"'{body}'"
+
+
+# --- checking against the installed verl ---------------------------------------------------------
+
+def compose_verl_config(overrides: list[str]):
+    """verl's `ppo_trainer` config with our overrides, as `main_ppo` composes it (Hydra errors on
+    a key verl does not have)."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+def validate_verl_config(config) -> None:
+    """What `main_ppo` checks before it starts Ray, and the typed configs its workers build."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a success line
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+
+
+# (verl's words for what went wrong, the field of ours that sets it), the more specific words first
+_FIELD_OF = (("real_train_batch_size", "prompts_per_step"), ("ppo_mini_batch_size", "mini_batches"),
+             ("tensor_model_parallel_size", "verl.rollout_tp"), ("model_parallel_size", "verl.megatron_tp"),
+             ("micro_batch", "verl.micro_batch_size_per_gpu"), ("gpu_memory_utilization", "verl.gpu_memory_utilization"))
+
+
+def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
+    """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
+    s: GRPOStage = getattr(cfg, sid)
+    if gpus_per_node < 1:
+        raise ConfigError("--cluster", f"{sid} uses engine 'verl', which needs GPUs: the cluster profile has "
+                          "gpus_per_node 0")
+    if gpus_per_node % s.verl.rollout_tp:
+        raise ConfigError(f"{sid}.verl.rollout_tp", f"{s.verl.rollout_tp} does not divide the {gpus_per_node} GPUs "
+                          "of a node")
+    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
+    try:
+        validate_verl_config(compose_verl_config(overrides))
+    except Exception as e:  # Hydra, OmegaConf, verl's asserts and ValueErrors: all say "bad config"
+        message = " ".join(str(e).split()) or type(e).__name__
+        field = next((ours for theirs, ours in _FIELD_OF if theirs in message), "engine")
+        raise ConfigError(f"{sid}.{field}", f"verl rejects the stage's config: {message}") from None
+    _check_batch_split(s, sid, nnodes * gpus_per_node)
+    return overrides
+
+
+def _check_batch_split(s: GRPOStage, sid: str, n_gpus: int) -> None:
+    """What verl asserts only in its workers, at the first update on the GPUs: every mini-batch's
+    responses split evenly over the data-parallel ranks."""
+    if s.prompts_per_step % s.mini_batches:
+        raise ConfigError(f"{sid}.mini_batches", f"{s.mini_batches} does not divide prompts_per_step "
+                          f"({s.prompts_per_step})")
+    dp = n_gpus // (s.verl.megatron_tp * s.verl.megatron_pp) if s.verl.backend == "megatron" else n_gpus
+    responses = s.prompts_per_step // s.mini_batches * s.group_size
+    if responses % dp:
+        raise ConfigError(f"{sid}.mini_batches", f"a mini-batch of {responses} responses (prompts_per_step / "
+                          f"mini_batches * group_size) does not split over {dp} data-parallel GPUs")
+
+
+def verl_stages(cfg: RunConfig, only: list[str] | None = None) -> list[str]:
+    return [sid for sid, stage in cfg.stages().items()
+            if getattr(stage, "engine", "native") == "verl" and (not only or sid in only)]
+
+
+def refuse_local_verl(cfg: RunConfig, only: list[str] | None = None) -> None:
+    """`hpcr1 run` starts stages with torchrun on this machine; verl's trainer needs a Ray cluster
+    of GPUs and a vLLM/SGLang rollout. Said before anything is written or launched."""
+    stages = verl_stages(cfg, only)
+    if stages:
+        raise ConfigError(f"{stages[0]}.engine", "'verl' cannot run here: verl.trainer.main_ppo needs GPUs and "
+                          "a vLLM or SGLang rollout. Submit it with `hpcr1 submit CONFIG --cluster NAME`, or "
+                          f"set {stages[0]}.engine=native to run it with the in-tree trainer")

@@ -1,0 +1,197 @@
+"""Our decode loop against Hugging Face `generate` and the model's own forward: greedy tokens
+identical, per-step logits equal within fp32 tolerance, sampling that draws the same tokens as
+`generate` (top_k=0) from the same seed and follows softmax(logits / T) after top-p, and eos rows
+padded with the loop stopping early."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from stages.data.tokenizer import build_char_tokenizer, encode_prompt
+from stages.generation import Decoder, decode, generate_responses, generate_tokens, left_padded
+from stages.models.tiny import build_tiny_llama
+
+VOCAB, PAD = 32, 0
+
+
+def random_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, rope=None, logit_scale: float = 1.0):
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=128,
+                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+                         tie_word_embeddings=False, pad_token_id=PAD, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)  # sharper distributions, so a wrong temperature shows
+    return model
+
+
+def ragged_prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (batch,), generator=gen)
+    return [torch.randint(1, VOCAB, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def hf_new_tokens(model, prompt_ids, max_new_tokens, eos_id, **sampling):
+    input_ids, attention = left_padded(prompt_ids, PAD)
+    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+                         pad_token_id=PAD, eos_token_id=eos_id, **(sampling or {"do_sample": False}))
+    return out[:, input_ids.shape[1]:]
+
+
+def our_new_tokens(model, prompt_ids, max_new_tokens, eos_id, temperature=0.0, top_p=1.0):
+    input_ids, attention = left_padded(prompt_ids, PAD)
+    return decode(model, input_ids, attention, max_new_tokens, eos_id, PAD, temperature, top_p)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("heads,kv_heads,rope", [(4, 4, None), (4, 2, None), (4, 1, LLAMA3_ROPE)],
+                         ids=["mha", "gqa", "mqa-llama3-rope"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_tokens_equal_hf_generate(heads, kv_heads, rope, batch):
+    model = random_llama(heads=heads, kv_heads=kv_heads, rope=rope)
+    prompts = ragged_prompts(batch, seed=batch)
+    expected = hf_new_tokens(model, prompts, 40, eos_id=VOCAB + 1)  # an id never drawn: full length
+    assert torch.equal(our_new_tokens(model, prompts, 40, eos_id=VOCAB + 1), expected)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The embedded default's model shape and tokenizer, freshly initialised."""
+    out = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_char_tokenizer(out)
+    build_tiny_llama(out, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                     eos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), tokenizer
+
+
+@pytest.mark.parametrize("batch", [1, 8, 50])
+def test_tiny_model_greedy_equals_hf_generate_on_ragged_prompts(tiny, batch):
+    model, tokenizer = tiny
+    prompts = [encode_prompt(tokenizer, f"{i * 37 % 1000}+{i * 91 % 100000}=") for i in range(batch)]
+    assert len({len(p) for p in prompts}) > (batch > 1)  # ragged, so rows are left-padded
+    expected = hf_new_tokens(model, prompts, 16, tokenizer.eos_token_id)
+    _, _, ours = generate_tokens(model, tokenizer, prompts, 16)
+    assert torch.equal(ours, expected)
+
+
+def test_step_logits_match_hf_forward():
+    """Teacher-forced through the decoder's prefill and cached steps, the logits of every step equal
+    those of one HF forward over the whole padded sequence."""
+    model = random_llama(kv_heads=2)
+    prompts = ragged_prompts(4, seed=7)
+    input_ids, attention = left_padded(prompts, PAD)
+    continuation = torch.randint(1, VOCAB, (4, 10), generator=torch.Generator().manual_seed(1))
+    full_mask = torch.cat([attention, torch.ones_like(continuation)], dim=1)
+    positions = (full_mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad():
+        reference = model(input_ids=torch.cat([input_ids, continuation], dim=1), attention_mask=full_mask,
+                          position_ids=positions).logits[:, input_ids.shape[1] - 1:-1]
+
+    decoder = Decoder(model, input_ids, attention, max_new_tokens=10)
+    with torch.no_grad():
+        logits = [decoder.logits(decoder.prefill())]
+        logits += [decoder.logits(decoder.step(continuation[:, t], t)) for t in range(9)]
+    torch.testing.assert_close(torch.stack(logits, dim=1), reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.8)])
+def test_sampling_draws_what_hf_generate_draws_from_the_same_seed(temperature, top_p):
+    model = random_llama(logit_scale=5.0)
+    prompts = ragged_prompts(6, seed=3)
+    torch.manual_seed(11)
+    ours = our_new_tokens(model, prompts, 30, VOCAB + 1, temperature, top_p)
+    torch.manual_seed(11)
+    again = our_new_tokens(model, prompts, 30, VOCAB + 1, temperature, top_p)
+    torch.manual_seed(11)
+    hf = hf_new_tokens(model, prompts, 30, VOCAB + 1, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    assert torch.equal(ours, again)
+    assert torch.equal(ours, hf)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest most-likely set whose mass reaches top_p, renormalised (independent of HF's code)."""
+    sorted_probs, order = probs.sort(descending=True)
+    keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p  # mass before this token is short of top_p
+    kept = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+    return kept / kept.sum()
+
+
+def test_first_token_frequencies_follow_tempered_top_p_softmax():
+    model = random_llama(logit_scale=4.0)
+    prompt, rows, temperature, top_p = [5, 9, 2], 20000, 0.7, 0.9
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+    expected = nucleus((logits / temperature).softmax(0), top_p)
+    wrong_temperature = nucleus(logits.softmax(0), top_p)
+    torch.manual_seed(0)
+    drawn = our_new_tokens(model, [prompt] * rows, 1, VOCAB + 1, temperature, top_p)[:, 0]
+    observed = torch.bincount(drawn, minlength=VOCAB).double() / rows
+    distance = lambda p, q: 0.5 * (p.double() - q.double()).abs().sum().item()  # noqa: E731
+    # 20000 draws over ~10 tokens: the total variation of sampling noise is ~0.01
+    assert distance(observed, expected) < 0.02
+    assert distance(expected, wrong_temperature) > 0.06
+    assert observed[expected == 0].sum() == 0  # nothing outside the nucleus
+
+
+def test_rows_that_end_early_are_padded_and_the_loop_stops():
+    model = random_llama(seed=1)
+    prompts = ragged_prompts(3, seed=5)
+    free_run = our_new_tokens(model, prompts, 24, eos_id=VOCAB + 1)
+    # eos: the token that every row emits soonest (its latest first appearance is the earliest)
+    first_seen = {tok: max((row == tok).nonzero()[0].item() for row in free_run)
+                  for tok in range(VOCAB) if all((row == tok).any() for row in free_run)}
+    assert first_seen, "no token common to all rows: pick other prompts"
+    eos = min(first_seen, key=first_seen.get)
+    assert first_seen[eos] < 23, "eos would only come at the last step: pick other prompts"
+    ours = our_new_tokens(model, prompts, 24, eos_id=eos)
+    assert torch.equal(ours, hf_new_tokens(model, prompts, 24, eos_id=eos))
+    assert ours.shape[1] == first_seen[eos] + 1  # stopped once the last row ended
+    for row, free in zip(ours, free_run):
+        end = (row == eos).nonzero()[0].item()
+        assert torch.equal(row[:end + 1], free[:end + 1])
+        assert (row[end + 1:] == PAD).all()
+
+
+def test_generate_responses_decodes_only_new_tokens(tiny):
+    model, tokenizer = tiny
+    responses = generate_responses(model, tokenizer, ["12+34=", "5+6="], 5)
+    expected = hf_new_tokens(model, [encode_prompt(tokenizer, p) for p in ("12+34=", "5+6=")], 5,
+                             tokenizer.eos_token_id)
+    assert responses == tokenizer.batch_decode(expected, skip_special_tokens=True)
+
+
+def test_length_dependent_rope_is_refused():
+    model = random_llama(rope={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type is 'dynamic'"):
+        our_new_tokens(model, [[1, 2]], 3, eos_id=1)
+
+
+def test_sampled_rows_that_end_leave_the_batch_and_the_others_still_draw_what_generate_draws(monkeypatch):
+    model = random_llama(seed=2)
+    prompts = ragged_prompts(16, seed=7)
+    torch.manual_seed(5)
+    free_run = our_new_tokens(model, prompts, 40, VOCAB + 1, temperature=1.0)
+    # The RNG is consumed alike whatever eos is, so the free run shows where each row would end:
+    # take the token that most rows draw within 20 steps.
+    def first_step(row, tok):
+        found = (row == tok).nonzero()
+        return found[0].item() if len(found) else 40
+
+    ends = {tok: sorted(first_step(row, tok) for row in free_run) for tok in range(1, VOCAB)}
+    eos = max(ends, key=lambda tok: sum(step < 20 for step in ends[tok]))
+    assert ends[eos][8] < 20 and ends[eos][-1] > ends[eos][8] + 3, "half the rows must end well before the rest"
+    kept_sizes = []
+    keep = Decoder.keep
+    monkeypatch.setattr(Decoder, "keep", lambda self, rows: (kept_sizes.append(len(rows)), keep(self, rows))[1])
+    torch.manual_seed(5)
+    ours = our_new_tokens(model, prompts, 40, eos, temperature=1.0)
+    torch.manual_seed(5)
+    hf = hf_new_tokens(model, prompts, 40, eos, do_sample=True, temperature=1.0, top_k=0)
+    assert kept_sizes and kept_sizes[-1] < 16, "the decoder never dropped the rows that had ended"
+    assert torch.equal(ours, hf)

@@ -1,0 +1,72 @@
+"""The readiness check of a verl job's Ray cluster, against a real Ray head started here: it sees
+the node join, and when nodes are missing it fails at its deadline saying how many joined."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.cluster import RayPorts
+from launch.local import free_port
+from launch.ray_cluster import gpu_nodes, wait_for_nodes
+
+
+def test_only_live_nodes_with_enough_gpus_count():
+    nodes = [{"NodeManagerAddress": "a", "Alive": True, "Resources": {"GPU": 4.0}},
+             {"NodeManagerAddress": "b", "Alive": False, "Resources": {"GPU": 4.0}},
+             {"NodeManagerAddress": "c", "Alive": True, "Resources": {"GPU": 2.0}},
+             {"NodeManagerAddress": "d", "Alive": True, "Resources": {"CPU": 8.0}}]
+    assert gpu_nodes(nodes, 4) == ["a"] and gpu_nodes(nodes, 0) == ["a", "c", "d"]
+
+
+@pytest.fixture
+def ray_head():
+    """`ray start --head --block` with every port explicit, as the sbatch template starts it (no GPUs
+    here), on ports free on this machine."""
+    port = free_port()
+    ports = {flag: free_port() for flag in ("node-manager-port", "object-manager-port", "ray-client-server-port",
+                                            "dashboard-port", "dashboard-agent-listen-port",
+                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                                            "metrics-export-port")}
+    worker = free_port()
+    # Ray's unix sockets live under the temp dir, whose path must stay under ~100 characters.
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    log = open(temp_dir / "head.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
+                             "--node-ip-address=127.0.0.1", "--num-cpus=1", "--num-gpus=0", "--include-dashboard=false",
+                             *(f"--{flag}={value}" for flag, value in ports.items()),
+                             f"--min-worker-port={worker}", f"--max-worker-port={worker + 20}",
+                             f"--temp-dir={temp_dir}", "--block"], start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
+                         capture_output=True).returncode != 0:
+        assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[-3000:]
+        time.sleep(1)
+    yield address
+    os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
+    proc.wait(timeout=60)
+    log.close()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_readiness_sees_the_head_and_times_out_naming_missing_nodes(ray_head):
+    assert len(wait_for_nodes(ray_head, 1, 0, timeout_s=60)) == 1
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="only 1 of 2 nodes joined"):
+        wait_for_nodes(ray_head, 2, 0, timeout_s=3, poll_s=0.5)
+    assert time.monotonic() - started < 60
+
+
+def test_ray_ports_default_to_distinct_values():
+    ports = [v for k, v in RayPorts().model_dump().items() if k.endswith("_port") and "worker" not in k]
+    assert len(set(ports)) == len(ports)

@@ -1,0 +1,219 @@
+"""The verl engine for GRPO (`engine: verl`): the overrides of the 70B config compose into the
+installed verl's own Hydra config and pass verl's validation; what verl rejects comes back as
+exit 2 naming our field; `hpcr1 run` refuses the engine before writing anything; the rendered
+Ray-on-Slurm script passes shellcheck; verl's reward function scores as ours does; verl's traces
+become profile/ events."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch.trace_parser import parse_trace
+from pipeline.cli import main
+from pipeline.config import ConfigError, load_config
+from pipeline.rundir import RunDir
+from stages.engines.verl_io import VERL_PHASES, held_out_result, traces_to_events
+from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
+from stages.rewards.math_reward import score
+from tests.conftest import REPO
+
+CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
+SHAPE_70B = "model.path=models/llama-3.3-70b"  # config.json only: enough for every check here
+TRACE = Path(__file__).parent / "fixtures" / "nccl_trace_h100_torch211.json"
+# A small task in place of the 70B config's data files (which are placeholders).
+SMALL_DATA = ["data.task=arithmetic", "data.arithmetic.sft_size=8", "data.arithmetic.prompts_size=8",
+              "data.arithmetic.eval_size=4"]
+
+
+def config_70b(*overrides: str):
+    return load_config(CONFIG_70B, [SHAPE_70B, "stage2_grpo.engine=verl", "stage4_grpo.engine=verl", *overrides],
+                       data_files=False)
+
+
+@pytest.fixture(scope="module")
+def composed_70b(tmp_path_factory):
+    """{stage: (our stage config, verl's composed config)} for the 70B config on 32 Perlmutter nodes."""
+    cfg = config_70b()
+    run = RunDir(tmp_path_factory.mktemp("run"))
+    return run, cfg, {sid: compose_verl_config(check_verl_stage(cfg, run, sid, 32, 4))
+                      for sid in ("stage2_grpo", "stage4_grpo")}
+
+
+@pytest.mark.parametrize("sid", ["stage2_grpo", "stage4_grpo"])
+def test_70b_overrides_compose_and_pass_verls_validation_with_our_values(composed_70b, sid):
+    run, cfg, configs = composed_70b
+    ours, theirs = getattr(cfg, sid), configs[sid]
+    arr = theirs.actor_rollout_ref
+    assert theirs.algorithm.adv_estimator == "grpo"
+    assert arr.rollout.n == ours.group_size == 8
+    assert theirs.data.train_batch_size == ours.prompts_per_step == 128
+    assert arr.actor.ppo_mini_batch_size == ours.prompts_per_step // ours.mini_batches
+    assert arr.actor.use_kl_loss is True and arr.actor.kl_loss_coef == ours.kl_coef == 0.001
+    assert arr.actor.kl_loss_type == ours.kl_type and arr.actor.optim.lr == ours.lr
+    assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == ours.clip_ratio
+    assert theirs.data.max_response_length == ours.max_new_tokens and arr.rollout.temperature == ours.temperature
+    assert theirs.trainer.resume_mode == "auto" and theirs.trainer.default_local_dir == str(run.ckpt(sid).resolve())
+    assert theirs.trainer.nnodes * theirs.trainer.n_gpus_per_node == cfg.nproc == 128
+    assert theirs.trainer.total_training_steps == ours.steps and theirs.trainer.save_freq == ours.checkpoint_every
+    assert arr.model.path == str(run.final(ours.init_from).resolve())
+    assert arr.rollout.name == "vllm" and arr.actor.strategy == "fsdp"
+    assert theirs.global_profiler.tool == "torch"
+    assert Path(theirs.global_profiler.save_path).parent == run.stage(sid).resolve()
+    assert Path(theirs.reward.custom_reward_function.path).is_file()
+    assert theirs.reward.custom_reward_function.reward_kwargs.format_weight == ours.format_reward
+
+
+def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path):
+    cfg = config_70b("stage2_grpo.verl.backend=megatron", "stage2_grpo.verl.megatron_tp=4")
+    composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
+    actor, ref = composed.actor_rollout_ref.actor, composed.actor_rollout_ref.ref
+    assert actor.strategy == "megatron" and actor.megatron.tensor_model_parallel_size == 4
+    assert ref.megatron.tensor_model_parallel_size == 4  # the reference follows the actor
+
+
+def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_path, capsys):
+    # 100 prompts x 8 responses do not split over 128 GPUs: verl's validate_config says so.
+    rc = main(["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run",
+               "--run-dir", str(tmp_path / "run"), SHAPE_70B, *SMALL_DATA, "stage2_grpo.engine=verl",
+               "stage2_grpo.prompts_per_step=100"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "stage2_grpo.prompts_per_step" in err and "verl rejects" in err and "real_train_batch_size" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mini_batch_that_does_not_split_over_the_gpus_names_mini_batches(tmp_path):
+    # 128 / 2 prompts x 8 = 512 responses split over 128 GPUs, but 128 / 3 does not divide at all.
+    cfg = config_70b("stage2_grpo.mini_batches=3")
+    with pytest.raises(ConfigError) as e:
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.mini_batches"
+
+
+def test_a_key_verl_does_not_have_is_rejected_by_composition():
+    with pytest.raises(Exception, match="no_such_key"):
+        compose_verl_config(["actor_rollout_ref.actor.no_such_key=1"])
+
+
+def test_hpcr1_run_refuses_the_verl_engine_before_writing_anything(tmp_path, capsys):
+    rc = main(["run", str(REPO / "configs" / "tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"),
+               "stage2_grpo.engine=verl"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "stage2_grpo.engine" in err and "hpcr1 submit" in err and "vLLM" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("path", ["/tmp/run dir/it's", "/tmp/back\\slash", "/tmp/end\\", "/tmp/q\\'x", "/tmp/a=b,c[d]"])
+def test_paths_reach_verl_unchanged_through_hydras_grammar(path):
+    composed = compose_verl_config([f"trainer.default_local_dir={hydra_value(path)}"])
+    assert composed.trainer.default_local_dir == path
+
+
+def test_dry_run_submit_renders_the_verl_script_and_it_passes_shellcheck(tmp_path, capsys):
+    run = tmp_path / "run"
+    rc = main(["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run",
+               "--run-dir", str(run), SHAPE_70B, *SMALL_DATA, "stage2_grpo.engine=verl"])
+    assert rc == 0, capsys.readouterr().err
+    verl_script = (run / "stage2_grpo" / "logs" / "stage2_grpo.sbatch").read_text()
+    native_script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
+    assert "start --head" in verl_script and "--port=6379" in verl_script and "--min-worker-port=10002" in verl_script
+    assert "-m launch.ray_cluster" in verl_script and "-m pipeline.cli stage" in verl_script
+    assert "ray.scripts.scripts" not in native_script
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is installed by make test")
+    out = subprocess.run(["shellcheck", "-s", "bash", "-"], input=verl_script, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_verls_reward_function_scores_as_our_reward():
+    from verl.utils.import_utils import load_extern_object
+
+    compute_score = load_extern_object(str(REPO / "stages" / "engines" / "verl_reward.py"), "compute_score")
+    cases = [("<think>2+2=4</think><answer>4</answer>", "4"), ("<think>x</think><answer>5</answer>", "4"),
+             ("the answer is 4", "4"), ("<answer>1,234</answer>", "1234"), ("<think>a</think> <answer>1/2</answer>", "0.5")]
+    for response, truth in cases:
+        ours = score(response, truth, format_weight=0.3)
+        theirs = compute_score(data_source="hpcr1", solution_str=response, ground_truth=truth, format_weight=0.3)
+        assert theirs == {"score": ours.reward, "acc": float(ours.correct), "format_ok": float(ours.format_ok)}
+
+
+def test_verl_traces_become_profile_events_with_step_rank_and_phase(tmp_path):
+    trace = json.loads(TRACE.read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    start, end = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
+    # verl's DistProfiler wraps the actor's update in a range named after its role
+    trace["traceEvents"].append({"ph": "X", "cat": "user_annotation", "name": "actor_update", "ts": start,
+                                 "dur": end - start, "pid": 0, "tid": 0, "args": {}})
+    traces = tmp_path / "verl_traces"
+    traces.mkdir()
+    with gzip.open(traces / "actor_actor_update_step3_rank0-of-1_pid42_20261123.json.gz", "wt") as f:
+        json.dump(trace, f)
+    n = traces_to_events(traces, tmp_path / "profile", "stage2_grpo")
+    events = [json.loads(line) for line in (tmp_path / "profile" / "rank-00000.jsonl").read_text().splitlines()]
+    expected = parse_trace(TRACE, stage="stage2_grpo")
+    assert n == len(events) == len(expected) == 5
+    assert [(e["op"], e["bytes"], e["seq"]) for e in events] == [(e["op"], e["bytes"], e["seq"]) for e in expected]
+    assert all(e["step"] == 3 and e["phase"] == VERL_PHASES["actor_update"] == "policy_update" for e in events)
+
+
+def test_held_out_accuracy_is_read_from_verls_last_validation(tmp_path):
+    log = tmp_path / "verl_metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in [
+        (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
+        (2, {"actor/pg_loss": 0.1}),
+        (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0})]))
+    assert held_out_result(log, "hpcr1", 4) == {"accuracy": 0.75, "format_rate": 1.0, "n": 4}
+    with pytest.raises(RuntimeError, match="no held-out accuracy"):
+        held_out_result(tmp_path / "missing.jsonl", "hpcr1", 4)
+
+
+def test_hpcr1_config_shows_the_engine_and_its_verl_section(capsys):
+    assert main(["config", str(REPO / "configs" / "tiny-cpu.yaml"), "stage2_grpo.engine=verl"]) == 0
+    out = capsys.readouterr().out
+    assert "engine: verl" in out and "rollout_tp: 4" in out and "gpu_memory_utilization: 0.6" in out
+
+
+def test_verls_own_dataset_reads_our_parquet_as_chat_prompts_with_their_answers(tmp_path):
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from stages.data.arithmetic import generate_arithmetic
+    from stages.data.tokenizer import build_char_tokenizer
+    from stages.engines.verl_io import verl_rows, write_parquet
+
+    examples = generate_arithmetic(0, 4, "prompts", 3, 4, 1.0)
+    write_parquet(tmp_path / "train.parquet", verl_rows(examples, "train", "hpcr1"))
+    data_config = compose_verl_config(["data.prompt_key=prompt", "data.dataloader_num_workers=0"]).data
+    dataset = RLHFDataset(str(tmp_path / "train.parquet"), build_char_tokenizer(tmp_path / "tok"), data_config)
+    assert len(dataset) == len(examples)
+    for i, ex in enumerate(examples):
+        row = dataset[i]
+        assert row["raw_prompt"] == [{"role": "user", "content": ex.prompt}]
+        assert row["reward_model"]["ground_truth"] == ex.answer and row["data_source"] == "hpcr1"
+
+
+def test_verls_step_timers_become_our_phase_times(tmp_path):
+    from analysis.events import load_phase_times
+    from stages.engines.verl_io import write_metrics
+
+    log = tmp_path / "verl_metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "data": {"timing_s/gen": 2.0 * s, "timing_s/update_actor": 1.0,
+                                                            "timing_s/step": 4.0, "actor/pg_loss": 0.1}}) + "\n"
+                           for s in (1, 2)))
+    write_metrics(log, tmp_path / "metrics.jsonl")
+    assert load_phase_times(tmp_path) == {"rollout": 6.0, "policy_update": 2.0}
+
+
+def test_a_cluster_without_gpus_is_refused_for_verl(tmp_path):
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        check_verl_stage(config_70b(), RunDir(tmp_path), "stage2_grpo", 64, 0)
+
+
+def test_a_megatron_layout_that_does_not_divide_the_gpus_names_megatron_tp(tmp_path):
+    cfg = config_70b("stage2_grpo.verl.backend=megatron", "stage2_grpo.verl.megatron_tp=3")
+    with pytest.raises(ConfigError, match="verl rejects") as e:
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.verl.megatron_tp"
