@@ -210,6 +210,10 @@ class GRPOStage(Section):
     """Passes over each rollout batch."""
     mini_batches: PositiveInt = 2
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
+    micro_batch_size: PositiveInt = 16
+    """Rows per forward on each rank in the log-prob and update passes. Rows are sorted by response
+    length first and each micro-batch is forwarded only up to its own longest response, so smaller
+    micro-batches forward less padding (and hold fewer activations) but make more forwards."""
     clip_ratio: PositiveFloat = 0.2
     """PPO clip range of the importance ratio."""
     kl_coef: NonNegativeFloat = 0.02

@@ -44,14 +44,14 @@ def run(ctx: StageContext) -> None:
         started, started_wall = time.perf_counter(), time.time()
         batch = [samples[i] for i in order.indices(step)]
         local = batch[engine.dp_rank::engine.dp_size]
-        stats = engine.train_step(micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size),
-                                  count_loss_tokens(batch))
+        loss_tokens = count_loss_tokens(batch)
+        stats = engine.train_step(micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size), loss_tokens)
         step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.input_ids) - 1 for s in batch)
         phases = {f"phase_time/{name}": t for name, t in take_phase_times().items()}
         metrics.log(step, {**stats, "t_start": started_wall, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                           "samples_per_s": len(batch) / elapsed, **phases})
+                           "samples_per_s": len(batch) / elapsed, "loss_tokens": loss_tokens, **phases})
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
         bar.update()
         checkpoint_boundary(ctx, engine, ckpts, step)

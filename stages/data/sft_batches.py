@@ -59,11 +59,13 @@ class GlobalBatchOrder:
 
 
 def micro_batches(samples: list[Sample], pad_id: int, micro_batch_size: int) -> list[MicroBatch]:
-    """Split into micro-batches padded (on the right) to the longest sample of the whole list, so
-    every micro-batch of a step has one shape."""
-    length = max(len(s.input_ids) for s in samples) - 1
-    return [_collate(samples[i:i + micro_batch_size], pad_id, length)
-            for i in range(0, len(samples), micro_batch_size)]
+    """Split into micro-batches of samples of similar length, each padded (on the right) only to its
+    own longest: the samples are sorted by length first. Curated sets mix short and long solutions,
+    and padding every micro-batch to the longest sample spent much of the step on padding; the loss
+    and gradient of the step are sums over the same samples either way."""
+    ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    return [_collate(chunk, pad_id, len(chunk[0].input_ids) - 1)
+            for chunk in (ordered[i:i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size))]
 
 
 def _collate(samples: list[Sample], pad_id: int, length: int) -> MicroBatch:

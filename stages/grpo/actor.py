@@ -1,6 +1,11 @@
 """The actor role: the policy being trained, FSDP2-sharded over all ranks. It gives the old
-log-probabilities of a rollout batch (one forward over all of it) and runs the clipped-surrogate
-update over several epochs of mini-batches."""
+log-probabilities of a rollout batch and runs the clipped-surrogate update over several epochs of
+mini-batches.
+
+The first mini-batch of the first epoch is on-policy: no optimizer step has happened when the update
+reaches it, so its old log-probabilities are the update's own forward, detached (verl's on-policy
+shortcut). They are taken there, not in a forward of their own before the update; later epochs
+reuse them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +29,15 @@ class Actor:
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto) -> DataProto:
-        log_probs, entropy = response_log_probs(self.model, batch, with_entropy=True)
-        return DataProto.from_dict(tensors={"old_log_probs": log_probs, "entropy": entropy})
+        """Old log-probs and entropy of every mini-batch but the first, which the update fills in
+        (NaN until then, so that a use before it shows)."""
+        first = len(batch) // self.stage.mini_batches
+        responses = batch.batch["responses"]
+        out = {key: torch.full(responses.shape, float("nan"), device=responses.device) for key in ("old_log_probs", "entropy")}
+        if first < len(batch):
+            out["old_log_probs"][first:], out["entropy"][first:] = response_log_probs(
+                self.model, batch[first:], with_entropy=True, micro_batch_size=self.stage.micro_batch_size)
+        return DataProto.from_dict(tensors=out)
 
     def update(self, batch: DataProto, iteration: int) -> dict[str, float]:
         """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns the means of
@@ -34,11 +46,16 @@ class Actor:
         self._set_lr(self.stage.lr * min(1.0, iteration / max(self.stage.warmup_steps, 1)))
         totals: dict[str, torch.Tensor] = {}
         world = dist.get_world_size()
-        for _ in range(self.stage.ppo_epochs):
-            for mini in batch.chunk(self.stage.mini_batches):
+        for epoch in range(self.stage.ppo_epochs):
+            for index, mini in enumerate(batch.chunk(self.stage.mini_batches)):
                 global_tokens = mini.batch["response_mask"].sum()
                 dist.all_reduce(global_tokens)
-                log_prob, _ = response_log_probs(self.model, mini)
+                on_policy = epoch == 0 and index == 0
+                log_prob, entropy = response_log_probs(self.model, mini, with_entropy=on_policy,
+                                                       micro_batch_size=self.stage.micro_batch_size)
+                if on_policy:  # written into the batch (mini is a view of it) for the later epochs
+                    mini.batch["old_log_probs"].copy_(log_prob.detach())
+                    mini.batch["entropy"].copy_(entropy)
                 loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
                                          int(global_tokens.clamp(min=1)), world)
                 loss.backward()

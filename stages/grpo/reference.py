@@ -12,10 +12,11 @@ from stages.grpo.logprobs import response_log_probs
 
 
 class Reference:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, micro_batch_size: int | None = None):
         self.model = fsdp2.load_sharded(model_dir, trainable=False)
+        self.micro_batch_size = micro_batch_size
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        log_probs, _ = response_log_probs(self.model, batch)
+        log_probs, _ = response_log_probs(self.model, batch, micro_batch_size=self.micro_batch_size)
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})

@@ -152,3 +152,24 @@ def test_mini_batch_m_holds_the_same_prompts_on_one_rank_and_on_two():
     two = [rank_share(global_batch, r, 2, mini_batches=2) for r in range(2)]
     for m in range(2):
         assert sorted(one[m * 4:(m + 1) * 4]) == sorted(two[0][m * 2:(m + 1) * 2] + two[1][m * 2:(m + 1) * 2])
+
+
+def test_length_sorted_micro_batches_give_the_one_forward_log_probs_and_entropy():
+    """Forwarding rows in length-sorted micro-batches, each cut at its longest response, gives every
+    response token the log-prob and entropy of one forward over the whole padded batch."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
+                                         eos_token_id=EOS, bos_token_id=None)).eval()
+    prompt = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4], [3, 2, 5], [PAD, 6, 6]])
+    responses = torch.tensor([[11, EOS, PAD, PAD, PAD], [12, 13, 14, 15, 9], [EOS, PAD, PAD, PAD, PAD],
+                              [4, 4, EOS, PAD, PAD], [7, 8, 9, EOS, PAD]])
+    batch = DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
+                                meta_info={"temperature": 0.7})
+    mask = batch.batch["response_mask"].bool()
+    with torch.no_grad():
+        whole, whole_entropy = response_log_probs(model, batch, with_entropy=True)
+        for size in (1, 2, 3):
+            parts, entropy = response_log_probs(model, batch, with_entropy=True, micro_batch_size=size)
+            assert torch.allclose(parts[mask], whole[mask], atol=1e-5), size
+            assert torch.allclose(entropy[mask], whole_entropy[mask], atol=1e-5), size

@@ -72,3 +72,12 @@ def test_overrides_reach_nested_fields_and_config_round_trips(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["stage1_sft.parallel.tp=2", "seed=5", "wandb.mode=disabled"])
     assert cfg.stage1_sft.parallel.tp == 2 and cfg.seed == 5 and cfg.wandb.mode == "disabled"
     assert json.loads(cfg.model_dump_json())["stage1_sft"]["parallel"]["tp"] == 2
+
+
+def test_micro_batches_group_similar_lengths_and_pad_each_only_to_its_longest():
+    lengths = [9, 3, 8, 2, 7, 4]
+    samples = [Sample(list(range(1, n + 1)), [0] + [1] * (n - 1)) for n in lengths]
+    batches = micro_batches(samples, pad_id=0, micro_batch_size=2)
+    assert [tuple(mb.input_ids.shape) for mb in batches] == [(2, 8), (2, 6), (2, 2)]
+    assert sorted(len(row) for mb in batches for row in mb.loss_mask.tolist()) == [2, 2, 6, 6, 8, 8]
+    assert sum(mb.loss_mask.sum().item() for mb in batches) == count_loss_tokens(samples)

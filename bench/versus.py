@@ -1,0 +1,157 @@
+"""Shared by the ours-versus-TRL benches (sft_vs_trl.py, grpo_vs_trl.py).
+
+Our side is the real stage: a run directory prepared by `hpcr1`'s own code from a config, the stage
+started as `hpcr1 run` starts it (torchrun, N ranks of launch.worker), its per-step times read from
+the stage's metrics.jsonl. The peer (TRL) runs in a fresh process of its own with the same total
+thread count. Repetitions alternate ours / peer, so a load on the shared machine hits both alike;
+each repetition's throughput is taken over its steady-state steps (the first `--warmup` steps
+dropped), and the figure printed last is median(ours) / median(peer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from launch.local import run_stage_locally  # noqa: E402
+from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.driver import prepare_run  # noqa: E402
+from pipeline.rundir import RunDir  # noqa: E402
+
+PEER_FLAG = "--peer-worker"
+
+
+@dataclass
+class Step:
+    seconds: float
+    units: dict[str, float]  # what the step processed: samples, tokens ...
+
+
+def parser(doc: str, steps: int, warmup: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
+    p.add_argument("--out", default="runs/bench-vs-trl", help="run directory of the benchmark (reused)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each side, interleaved")
+    p.add_argument("--steps", type=int, default=steps, help="measured steps per repetition")
+    p.add_argument("--warmup", type=int, default=warmup, help="steps run first and not measured")
+    p.add_argument("--nproc", type=int, help="our ranks (default: the config's nproc); TRL runs one process")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="total intra-op threads of each side: ours threads/nproc per rank, TRL all in one process")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for hpcr1 run")
+    return p
+
+
+def prepare(config: str, out: str, overrides: list[str]) -> tuple[RunConfig, RunDir]:
+    """The benchmark's run directory: resolved config and inputs (base model, data), as hpcr1 run writes them."""
+    cfg = load_config(config, overrides)
+    run = RunDir(Path(out).resolve())
+    prepare_run(cfg, run, Path(config).resolve().parent)
+    return cfg, run
+
+
+def run_ours(run: RunDir, stage_id: str, nproc: int, threads: int) -> list[dict]:
+    """The stage from scratch on `nproc` ranks; its metrics.jsonl rows."""
+    shutil.rmtree(run.stage(stage_id), ignore_errors=True)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads // nproc))
+    if run_stage_locally(run.root, stage_id, nproc) != 0:
+        logs = "".join(p.read_text()[-2000:] for p in sorted(run.logs(stage_id).glob("rank-*.log")))
+        sys.exit(f"our {stage_id} failed:\n{logs}")
+    return [json.loads(line) for line in run.metrics(stage_id).read_text().splitlines()]
+
+
+def run_peer(script: str, run: RunDir, threads: int, args: list[str]) -> list[Step]:
+    """`script --peer-worker RUN_DIR OUT ARGS` in a fresh process with `threads` threads; its steps."""
+    out = run.root / "peer-steps.jsonl"
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    log = run.root / "peer.log"
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, script, PEER_FLAG, str(run.root), str(out), *args], env=env,
+                            stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if rc != 0:
+        sys.exit(f"the TRL side failed (exit {rc}):\n{log.read_text()[-3000:]}")
+    return [Step(**json.loads(line)) for line in out.read_text().splitlines()]
+
+
+def write_steps(path: str, steps: list[Step]) -> None:
+    Path(path).write_text("".join(json.dumps({"seconds": s.seconds, "units": s.units}) + "\n" for s in steps))
+
+
+def peer_setup(run_dir: str, stage_id: str):
+    """The peer's view of our run directory: (run, resolved config, the stage's section, the stage's
+    starting model directory), with torch seeded as our stage is."""
+    import torch
+
+    from pipeline.config import load_resolved
+
+    run = RunDir(Path(run_dir))
+    cfg = load_resolved(run)
+    stage = getattr(cfg, stage_id)
+    torch.manual_seed(cfg.seed)
+    return run, cfg, stage, run.model_dir(stage.init_from)
+
+
+def trainer_clock(every: int, take_units):
+    """A transformers TrainerCallback that records a Step every `every` optimizer steps: the wall
+    time since the previous one (or since training began) and take_units(), what they processed."""
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[Step] = []
+            self.count, self.last = 0, time.perf_counter()
+
+        def on_train_begin(self, *args, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            self.count += 1
+            if self.count % every == 0:
+                now = time.perf_counter()
+                self.steps.append(Step(now - self.last, take_units()))
+                self.last = now
+
+    return Clock()
+
+
+def throughput(steps: list[Step], warmup: int, unit: str) -> float:
+    measured = steps[warmup:]
+    if not measured:
+        sys.exit(f"no steady-state steps: {len(steps)} steps run, {warmup} of them warm-up")
+    return sum(s.units[unit] for s in measured) / sum(s.seconds for s in measured)
+
+
+def compare(runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[str], headline: str,
+            setup: str) -> None:
+    """Per repetition and median figures of both sides; the ratio of the headline unit last."""
+    print(setup)
+    medians = {}
+    for unit in units:
+        ours = [throughput(o, warmup, unit) for o, _ in runs]
+        peer = [throughput(p, warmup, unit) for _, p in runs]
+        medians[unit] = statistics.median(ours), statistics.median(peer)
+        print(f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {medians[unit][0]:.1f})  "
+              f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {medians[unit][1]:.1f})  "
+              f"ratio {medians[unit][0] / medians[unit][1]:.2f}")
+    ours, peer = medians[headline]
+    print(f"ours / TRL, {headline} per second (median of {len(runs)}): {ours / peer:.2f}")
+
+
+def interleaved(reps: int, ours, peer) -> list[tuple[list[Step], list[Step]]]:
+    """`reps` pairs, ours then peer, each printed as it finishes."""
+    runs = []
+    for rep in range(reps):
+        pair = ours(), peer()
+        print(f"repetition {rep + 1}/{reps} done", flush=True)
+        runs.append(pair)
+    return runs
