@@ -152,11 +152,19 @@ def cmd_run(args) -> int:
 
 def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
     """Run the stage graph on this machine; the exit code says how it ended."""
+    from pipeline.driver import run_pipeline
+
+    return stages_exit_code(lambda: run_pipeline(cfg, run, base, only))
+
+
+def stages_exit_code(run_stages) -> int:
+    """Call `run_stages()` (stages run here): 0, 1 when a stage failed, PREEMPTED_EXIT when one
+    stopped on a signal with a checkpoint."""
     from launch.preemption import PREEMPTED_EXIT
-    from pipeline.driver import StageFailed, StagePreempted, run_pipeline
+    from pipeline.driver import StageFailed, StagePreempted
 
     try:
-        run_pipeline(cfg, run, base, only)
+        run_stages()
     except StageFailed as e:
         print(f"hpcr1: {e}", file=sys.stderr)
         return 1
@@ -180,20 +188,16 @@ def cmd_submit(args) -> int:
 
 def cmd_sweep(args) -> int:
     from launch.cluster import load_profile
-    from pipeline.driver import StageFailed
     from pipeline.sweep import parse_gpu_counts, plan_sweep, run_sweep
 
     only = args.only.split(",") if args.only else None
     profile = load_profile(args.cluster) if args.cluster else None
     sweep = plan_sweep(Path(args.config), args.overrides, parse_gpu_counts(args.gpus), args.per_gpu_batch,
                        Path(args.sweep_dir) if args.sweep_dir else None, only, profile)
-    try:
-        run_sweep(sweep, args.dry_run)
-    except StageFailed as e:
-        print(f"hpcr1: {e}", file=sys.stderr)
-        return 1
-    print(f"sweep directory: {sweep.root} (hpcr1 report {sweep.root})")
-    return 0
+    rc = stages_exit_code(lambda: run_sweep(sweep, args.dry_run))
+    if rc == 0:
+        print(f"sweep directory: {sweep.root} (hpcr1 report {sweep.root})")
+    return rc
 
 
 def cmd_resume(args) -> int:
