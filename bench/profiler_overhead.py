@@ -151,6 +151,8 @@ def profiled_block(step, steps: int, out_dir: Path, rank: int, block: int) -> tu
 def rank_main(args) -> None:
     import torch.distributed as dist
 
+    from launch.dist import shutdown_distributed
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     step = load_workload(args.workload)()
@@ -166,7 +168,7 @@ def rank_main(args) -> None:
               f"ratio {cpu_on / cpu_off:.4f}")
         print(f"step off {off * 1e3:.3f} ms, on {on * 1e3:.3f} ms")
         print(f"ratio on/off {on / off:.4f}")
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def main() -> None:

@@ -53,6 +53,16 @@ def init_distributed(backend: str | None = None) -> RankInfo:
 
 
 def shutdown_distributed() -> None:
-    # Without this, DeepSpeed ZeRO-3 bf16 runs sometimes abort at exit (cpu-facts.md).
+    """Wait for every rank, then destroy the process groups: call it last, outside backward.
+
+    Both halves keep a rank from aborting at exit ("terminate called without an active
+    exception"). Without the destroy, DeepSpeed ZeRO-3 bf16 runs sometimes abort (cpu-facts.md).
+    Without the barrier, a rank that leaves right after its last backward collective races a gloo
+    worker thread: the work it just ran captured backward's thread-local Python context, freeing it
+    needs the GIL, and once the interpreter is finalising that thread is killed mid-destructor
+    (15% of runs of tests/dist/workers/comm_ops.py, 0 of 40 with the barrier). Waiting at the
+    barrier releases the GIL while the slower ranks finish, so the worker threads are done first.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

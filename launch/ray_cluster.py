@@ -15,12 +15,28 @@ def gpu_nodes(nodes: list[dict], gpus_per_node: int) -> list[str]:
     return [n["NodeManagerAddress"] for n in nodes if n["Alive"] and n["Resources"].get("GPU", 0) >= gpus_per_node]
 
 
+def connect(address: str, deadline: float, poll_s: float) -> None:
+    """ray.init, retried until `deadline`: `ray status` answers as soon as the head's GCS is up,
+    before its raylet has registered, and a driver started then can fail to find a node."""
+    import ray
+
+    while True:
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            return
+        except (ConnectionError, RuntimeError) as e:
+            ray.shutdown()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"could not connect to the Ray cluster at {address}: {e}") from e
+            time.sleep(poll_s)
+
+
 def wait_for_nodes(address: str, want: int, gpus_per_node: int, timeout_s: float, poll_s: float = 2.0) -> list[str]:
     import ray
 
-    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    deadline = time.monotonic() + timeout_s
+    connect(address, deadline, poll_s)
     try:
-        deadline = time.monotonic() + timeout_s
         while True:
             ready = gpu_nodes(ray.nodes(), gpus_per_node)
             if len(ready) >= want:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from launch.comm_profiler import CommProfiler
+from launch.dist import shutdown_distributed
 from launch.phases import phase
 
 CONFIG = {
@@ -39,7 +40,7 @@ def main(out_dir: str) -> None:
     seen = {name: {str(size): rec[0] for size, rec in sizes.items()}
             for name, sizes in ds_comm.comms_logger.comms_dict.items()}
     Path(out_dir, f"comms_logger-{rank}.json").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 
 from launch.comm_profiler import CommProfiler
+from launch.dist import shutdown_distributed
 from launch.phases import phase
 
 N = 1000  # float32 elements per tensor: 4000 bytes
@@ -71,7 +72,7 @@ def main(out_dir: str) -> None:
         padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
         Path(out_dir, "reference.json").write_text(json.dumps({
             "grad_bytes": sum(p.numel() * p.element_size() for p in params), "padded_grad_bytes": padded}))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from launch.comm_profiler import CommProfiler
+from launch.dist import shutdown_distributed
 from launch.phases import phase
 
 SLOW_RANK, DELAY_S, CALLS = 1, 0.3, 3
@@ -25,7 +26,7 @@ def main(out_dir: str) -> None:
                 if rank == SLOW_RANK:
                     time.sleep(DELAY_S)
                 dist.all_reduce(torch.ones(10_000))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

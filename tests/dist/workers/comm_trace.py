@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from launch.comm_profiler import CommProfiler
+from launch.dist import shutdown_distributed
 from launch.phases import phase
 
 
@@ -25,7 +26,7 @@ def main(out_dir: str) -> None:
             dist.reduce_scatter_tensor(torch.empty(1000 // world), x)
             dist.broadcast(x.double(), 0)
     p.export_chrome_trace(str(Path(out_dir) / f"trace-rank{rank}.json"))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

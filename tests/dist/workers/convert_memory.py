@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from launch.dist import init_distributed
+from launch.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron
@@ -142,7 +142,7 @@ def main():
     parallel_state.destroy_model_parallel()
     measure_fsdp2_load(fsdp2.load_sharded, bf16_dir, "fsdp2_load")
     measure_fsdp2_load(load_whole_then_shard, bf16_dir, "fsdp2_whole_load")
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

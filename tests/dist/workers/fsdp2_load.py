@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from launch.dist import init_distributed
+from launch.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
@@ -61,7 +61,7 @@ def main(out_dir: str) -> None:
     for rank, found in enumerate(everyone or []):
         for finding in found:
             print("RESULT " + json.dumps({**finding, "rank": rank}), flush=True)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

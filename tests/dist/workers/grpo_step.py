@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from verl.protocol import DataProto
 
+from launch.dist import shutdown_distributed
 from pipeline.config import GRPOStage
 from stages.grpo.actor import Actor
 from stages.grpo.prompts import rank_share
@@ -58,7 +59,7 @@ def main(model_dir: Path, out_file: Path) -> None:
     weights = roles.actor.full_weights()
     if dist.get_rank() == 0:
         torch.save({"weights": weights, "stats": stats}, out_file)
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from launch.dist import init_distributed
+from launch.dist import init_distributed, shutdown_distributed
 from pipeline.config import RunConfig
 from pipeline.rundir import RunDir
 from stages import synth
@@ -37,7 +37,7 @@ def main(run_dir: Path) -> None:
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     synth.generate_responses = stub_responses
     synth.run(StageContext(cfg=cfg, run=run, stage_id="stage3_synth", rank=info))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
+from launch.dist import shutdown_distributed
+
 
 def main(model_dir: str, ckpt_root: str, step: int) -> None:
     dist.init_process_group("gloo")
@@ -39,7 +41,7 @@ def main(model_dir: str, ckpt_root: str, step: int) -> None:
     if dist.get_rank() == 0:
         torch.save(expected, Path(ckpt_root) / "expected.pt")
         (Path(ckpt_root) / "latest_checkpointed_iteration.txt").write_text(str(step))
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
