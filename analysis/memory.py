@@ -177,13 +177,17 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: i
     s = prompt_tokens + g.max_new_tokens
     rollout_seqs = g.prompts_per_step * g.group_size / N
     update_seqs = math.ceil(rollout_seqs / g.mini_batches)
-    # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays gathered
-    # through forward and backward.
-    gathered = (m.embedding_params() + m.layer_params()) * BF16
     actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
+    if g.reshard_after_forward:
+        # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays
+        # gathered through forward and backward.
+        gathered = Term("actor_gathered", "(embeddings + 1 layer)·2", (m.embedding_params() + m.layer_params()) * BF16)
+        reference = Term("reference_weights", "P·2/N", P * BF16 / N)
+    else:  # every layer stays gathered from its forward to its backward; the reference's for good
+        gathered = Term("actor_gathered", "P·2 (reshard_after_forward: false)", P * BF16)
+        reference = Term("reference_weights", "P·2 (reshard_after_forward: false)", P * BF16)
     gpu = [*(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
-           Term("actor_gathered", "(embeddings + 1 layer)·2", gathered),
-           Term("reference_weights", "P·2/N", P * BF16 / N),
+           gathered, reference,
            Term("rollout_weights", "P·2/tp", P * BF16 / tr),
            activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
            kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16)]

@@ -214,6 +214,11 @@ class GRPOStage(Section):
     """Rows per forward on each rank in the log-prob and update passes. Rows are sorted by response
     length first and each micro-batch is forwarded only up to its own longest response, so smaller
     micro-batches forward less padding (and hold fewer activations) but make more forwards."""
+    reshard_after_forward: bool = True
+    """FSDP2's: free each gathered layer after its forward (and gather it again for the backward).
+    False keeps the actor's layers gathered from a forward until its backward ends and the frozen
+    reference's gathered for good: no repeated all-gathers, at the price of whole-model weights on
+    every rank (`hpcr1 plan` counts them). For models that fit whole on a rank."""
     clip_ratio: PositiveFloat = 0.2
     """PPO clip range of the importance ratio."""
     kl_coef: NonNegativeFloat = 0.02

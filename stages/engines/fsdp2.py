@@ -34,7 +34,7 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_sharded(hf_dir: Path, trainable: bool) -> torch.nn.Module:
+def load_sharded(hf_dir: Path, trainable: bool, reshard_after_forward: bool = True) -> torch.nn.Module:
     """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer);
     each rank reads only its own rows of each tensor."""
     device = local_device()
@@ -44,8 +44,8 @@ def load_sharded(hf_dir: Path, trainable: bool) -> torch.nn.Module:
     model.train(trainable)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
     _read_own_rows(model, HFCheckpoint(hf_dir))
     _rebuild_rotary_buffers(model, device)

@@ -96,7 +96,9 @@ def backend_overrides(s: GRPOStage) -> dict:
                 "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
                 "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
                 "actor_rollout_ref.actor.fsdp_config.optimizer_offload": v.optimizer_offload,
-                "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload}
+                "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload,
+                "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": s.reshard_after_forward,
+                "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": s.reshard_after_forward}
     # model_engine picks verl's megatron actor/ref config groups; the reference follows the actor's layout.
     return {"model_engine": "megatron",
             "actor_rollout_ref.actor.optim.lr_decay_style": "constant",

@@ -23,7 +23,7 @@ from stages.grpo.losses import actor_loss, policy_loss_config
 class Actor:
     def __init__(self, model_dir: Path, stage: GRPOStage):
         self.stage = stage
-        self.model = fsdp2.load_sharded(model_dir, trainable=True)
+        self.model = fsdp2.load_sharded(model_dir, trainable=True, reshard_after_forward=stage.reshard_after_forward)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
 

@@ -7,14 +7,15 @@ from pathlib import Path
 import torch
 from verl.protocol import DataProto
 
+from pipeline.config import GRPOStage
 from stages.engines import fsdp2
 from stages.grpo.logprobs import response_log_probs
 
 
 class Reference:
-    def __init__(self, model_dir: Path, micro_batch_size: int | None = None):
-        self.model = fsdp2.load_sharded(model_dir, trainable=False)
-        self.micro_batch_size = micro_batch_size
+    def __init__(self, model_dir: Path, stage: GRPOStage):
+        self.model = fsdp2.load_sharded(model_dir, trainable=False, reshard_after_forward=stage.reshard_after_forward)
+        self.micro_batch_size = stage.micro_batch_size
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:

@@ -36,7 +36,7 @@ class Roles:
 
 def build_roles(init_dir, tokenizer, stage) -> Roles:
     return Roles(actor=Actor(init_dir, stage),
-                 reference=Reference(init_dir, stage.micro_batch_size) if stage.kl_coef > 0 else None,
+                 reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
                  rollout=Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
                                  stage.top_p),
                  reward=RuleReward(stage.format_reward))

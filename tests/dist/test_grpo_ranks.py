@@ -1,12 +1,13 @@
 """GRPO on real ranks: one update on 2 ranks changes the weights as on 1 rank, given the same
-global rollout batch (fed fixed, since sampling is per rank)."""
+global rollout batch (fed fixed, since sampling is per rank), whether FSDP2 reshards after each
+forward or keeps the layers gathered."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 
 pytestmark = pytest.mark.dist
 WORKER = REPO / "tests" / "dist" / "workers" / "grpo_step.py"
@@ -22,12 +23,27 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, tmp_path, torchrun):
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"ranks{nproc}.pt"
-        torchrun(WORKER, nproc, str(model_dir), str(out), timeout=300)
-        results[nproc] = torch.load(out)
+def run_step(model_dir, directory, nproc: int, *settings: str) -> dict:
+    out = directory / f"ranks{nproc}.pt"
+    run_torchrun(WORKER, nproc, str(model_dir), str(out), *settings, timeout=300)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir, tmp_path_factory) -> dict:
+    return run_step(model_dir, tmp_path_factory.mktemp("one-rank"), 1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory) -> dict[bool, dict]:
+    """Keyed by reshard_after_forward."""
+    return {reshard: run_step(model_dir, tmp_path_factory.mktemp(f"reshard-{reshard}"), 2,
+                              f"reshard_after_forward={reshard}") for reshard in (True, False)}
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, one_rank, two_ranks, reshard_after_forward):
+    results = {1: one_rank, 2: two_ranks[reshard_after_forward]}
     initial = LlamaForCausalLM.from_pretrained(model_dir).state_dict()
     one, two = results[1]["weights"], results[2]["weights"]
     moved = max((one[k] - initial[k]).abs().max().item() for k in one)
@@ -37,3 +53,11 @@ def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, tmp_path, torchrun):
     assert diff < 1e-4, (diff, moved)
     for key in ("actor/pg_loss", "actor/kl", "actor/grad_norm"):
         assert results[1]["stats"][key] == pytest.approx(results[2]["stats"][key], abs=1e-5), key
+
+
+def test_layers_kept_gathered_are_not_gathered_again_for_the_backward(two_ranks):
+    resharding, keeping = (two_ranks[r]["update_all_gathers"] for r in (True, False))
+    print(f"all-gathers in the update: {resharding} resharding after forward, {keeping} keeping the layers")
+    # Four forward+backward passes (2 epochs x 2 mini-batches): resharding gathers each layer again
+    # for its backward; keeping them gathered does not.
+    assert 0 < keeping < resharding, (keeping, resharding)

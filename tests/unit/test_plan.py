@@ -107,3 +107,22 @@ def test_bad_plan_input_exits_2_naming_the_field(capsys, tmp_path, args, field):
 def test_plan_of_an_hf_config_without_config_json_names_model_path(capsys, tmp_path):
     assert main(["plan", str(REPO / "configs/llama-3.1-8b.yaml"), "--out", str(tmp_path / "p.md")]) == 2
     assert "model.path" in capsys.readouterr().err
+
+
+def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference():
+    from analysis.memory import grpo_footprint
+    from pipeline.config import GRPOStage
+
+    shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
+    n = 8
+
+    def gpu_terms(reshard: bool) -> dict[str, float]:
+        footprint = grpo_footprint(shape, GRPOStage(reshard_after_forward=reshard), Layout(gpus=n, tp=1, zero=3),
+                                   prompt_tokens=512, gpus_per_node=4, runtime_per_rank=0.0)
+        return {t.name: t.bytes for t in footprint.gpu}
+
+    resharding, keeping = gpu_terms(True), gpu_terms(False)
+    assert keeping["reference_weights"] == 2 * P_8B == n * resharding["reference_weights"]
+    assert keeping["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
+    assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == \
+        {k: v for k, v in resharding.items() if k not in ("reference_weights", "actor_gathered")}

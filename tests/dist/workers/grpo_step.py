@@ -1,15 +1,19 @@
 """One GRPO update on a fixed rollout batch (the same global batch whatever the number of ranks):
-argv = MODEL_DIR OUT_FILE. Rank 0 saves the updated full weights to OUT_FILE."""
+argv = MODEL_DIR OUT_FILE [KEY=VALUE ...] (settings of the stage, YAML values). Rank 0 saves the updated full
+weights to OUT_FILE, with the all-gathers its update made."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import yaml
 from verl.protocol import DataProto
 
+from launch.comm_profiler import CommProfiler
 from launch.dist import shutdown_distributed
 from pipeline.config import GRPOStage
 from stages.grpo.actor import Actor
@@ -46,21 +50,27 @@ def fixed_global_batch() -> DataProto:
                                meta_info={"temperature": 1.0})
 
 
-def main(model_dir: Path, out_file: Path) -> None:
+def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
+    updates = {key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in settings)}
+    stage = GRPOStage.model_validate({**STAGE.model_dump(), **updates})
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     prompts = rank_share(list(range(STAGE.prompts_per_step)), dist.get_rank(), dist.get_world_size(),
                          STAGE.mini_batches)
     mine = fixed_global_batch().select_idxs([p * STAGE.group_size + k for p in prompts
                                              for k in range(STAGE.group_size)])
-    roles = Roles(actor=Actor(model_dir, STAGE), reference=Reference(model_dir), rollout=None,
+    roles = Roles(actor=Actor(model_dir, stage), reference=Reference(model_dir, stage), rollout=None,
                   reward=RuleReward(STAGE.format_reward))
-    stats = learn_from(roles, mine, iteration=1)
+    profile = out_file.with_suffix(".profile")
+    with CommProfiler(profile, "test", dist.get_rank()):
+        stats = learn_from(roles, mine, iteration=1)
     weights = roles.actor.full_weights()
     if dist.get_rank() == 0:
-        torch.save({"weights": weights, "stats": stats}, out_file)
+        events = [json.loads(line) for line in (profile / "rank-00000.jsonl").read_text().splitlines()]
+        update_gathers = sum(e["phase"] == "policy_update" and e["op"].startswith("all_gather") for e in events)
+        torch.save({"weights": weights, "stats": stats, "update_all_gathers": update_gathers}, out_file)
     shutdown_distributed()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
