@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from launch.phases import take_phase_times
+
 
 class MetricsLogger:
     def __init__(self, path: Path, enabled: bool, resume_step: int, wandb_mode: str, wandb_project: str,
@@ -39,6 +41,14 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+
+    def log_step(self, step: int, stats: dict, started_wall: float, elapsed: float, counts: dict[str, float]) -> None:
+        """A training step's line: its statistics, when it began (t_start, epoch seconds), its wall
+        time, the wall time of each phase since the last step (every rank: it resets the phase
+        clock) and `<unit>_per_s` for each unit the step processed (`counts`)."""
+        phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}
+        rates = {f"{unit}_per_s": n / elapsed for unit, n in counts.items()}
+        self.log(step, {**stats, **phases, "t_start": started_wall, "step_time_s": elapsed, **rates})
 
     def close(self) -> None:
         if self._file:

@@ -6,7 +6,6 @@ import time
 
 from transformers import AutoTokenizer
 
-from launch.phases import take_phase_times
 from stages.checkpoint import CheckpointDir, agreed_resume_step
 from stages.context import StageContext
 from stages.data.examples import read_examples
@@ -49,9 +48,8 @@ def run(ctx: StageContext) -> None:
         step += 1
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.input_ids) - 1 for s in batch)
-        phases = {f"phase_time/{name}": t for name, t in take_phase_times().items()}
-        metrics.log(step, {**stats, "t_start": started_wall, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                           "samples_per_s": len(batch) / elapsed, "loss_tokens": loss_tokens, **phases})
+        metrics.log_step(step, {**stats, "loss_tokens": loss_tokens}, started_wall, elapsed,
+                         {"tokens": tokens, "samples": len(batch)})
         bar.set_postfix(loss=f"{stats['loss']:.4f}", lr=f"{stats['lr']:.2e}", refresh=False)
         bar.update()
         checkpoint_boundary(ctx, engine, ckpts, step)

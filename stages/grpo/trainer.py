@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 from verl.protocol import DataProto
 
-from launch.phases import phase, take_phase_times
+from launch.phases import phase
 from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
 from stages.context import StageContext
 from stages.data.examples import read_examples
@@ -116,10 +116,7 @@ def run(ctx: StageContext) -> None:
         stats = train_step_at(roles, schedule, stage, cfg.seed, step)
         step += 1
         elapsed = time.perf_counter() - started
-        phases = {f"phase_time/{name}": seconds for name, seconds in take_phase_times().items()}
-        samples = stage.prompts_per_step * stage.group_size
-        metrics.log(step, {**stats, **phases, "t_start": started_wall, "step_time_s": elapsed,
-                           "samples_per_s": samples / elapsed})
+        metrics.log_step(step, stats, started_wall, elapsed, {"samples": stage.prompts_per_step * stage.group_size})
         bar.update()
         bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", acc=f"{stats['accuracy']:.2f}")
         checkpoint_boundary(ctx, roles.actor, ckpts, step)
