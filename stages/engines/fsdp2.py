@@ -1,5 +1,5 @@
 """FSDP2 (`fully_shard`) for the GRPO roles: a Hugging Face causal LM sharded over all ranks, with
-full-state-dict gathers (for the rollout's weight sync and the final export) and sharded step
+whole-parameter gathers (for the rollout's weight sync and the final export) and sharded step
 checkpoints through torch.distributed.checkpoint.
 
 Each decoder layer is its own FSDP unit, so only one layer's full parameters exist at a time in a
@@ -14,6 +14,8 @@ per rank (a 70B model in fp32 is 280 GB).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from stages.models.hf_files import HFCheckpoint, save_hf_dir
@@ -83,6 +85,22 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[st
     for export; the other ranks get an empty dict). Every rank must call it."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
     return get_model_state_dict(model, options=options)
+
+
+@contextmanager
+def gathered_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The parameters whole on every rank inside the block, by name (read them, do not keep them):
+    each FSDP unit gathers all its parameters in one all-gather, where a full state dict gathers
+    them one at a time (4.5x the time on the tiny model over gloo). Every rank must enter it;
+    leaving reshards every unit."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield dict(model.named_parameters())
+    finally:
+        for unit in units:
+            unit.reshard()
 
 
 def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path) -> None:

@@ -77,8 +77,9 @@ class Actor:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        return fsdp2.full_state_dict(self.model)
+    def gathered_weights(self):
+        """A context: the policy's parameters whole, by name, inside it (every rank enters it)."""
+        return fsdp2.gathered_parameters(self.model)
 
     def save(self, directory: Path, trainer_state: dict) -> None:
         fsdp2.save_checkpoint(self.model, self.optimizer, directory, trainer_state)

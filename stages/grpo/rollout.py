@@ -28,8 +28,14 @@ class Rollout:
         self.temperature, self.top_p = temperature, top_p
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state_dict)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Overwrite this copy's parameters with the actor's, by parameter name (a tied head is
+        its embedding's one parameter on both sides)."""
+        own = dict(self.model.named_parameters())
+        if own.keys() != weights.keys():
+            raise ValueError(f"rollout and actor parameters differ: {sorted(own.keys() ^ weights.keys())}")
+        for name, param in own.items():
+            param.copy_(weights[name])
 
     def generate(self, prompts: list[Example], seed: int) -> DataProto:
         """Rows are grouped: the G responses of a prompt are consecutive and share its `uid`."""

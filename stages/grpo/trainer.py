@@ -48,8 +48,8 @@ def sampling_seed(seed: int, step: int, rank: int) -> int:
 
 
 def train_step(roles: Roles, prompts, seed: int, iteration: int) -> dict[str, float]:
-    with phase("weight_sync"):
-        roles.rollout.load_weights(roles.actor.full_weights())
+    with phase("weight_sync"), roles.actor.gathered_weights() as weights:
+        roles.rollout.load_weights(weights)
     with phase("rollout"):
         batch = roles.rollout.generate(prompts, seed)
     return learn_from(roles, batch, iteration)

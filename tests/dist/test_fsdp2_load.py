@@ -29,6 +29,8 @@ def findings(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sharded_load_equals_the_whole_model_load(findings, variant):
     assert findings[variant, "weights_equal"] == [True, True]
+    assert findings[variant, "unit_gathered_equal"] == [True, True]  # the rollout's weight sync
+    assert findings[variant, "resharded"] == [True, True]
     assert max(findings[variant, "logits"]) < 1e-5
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed, shutdown_distributed
@@ -42,10 +43,18 @@ def compare(name: str, model_dir: Path) -> list[dict]:
     ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits_diff = (streamed(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max().item()
+    # After the forward the root unit is still gathered and the layers are not: both must come out
+    # whole, named as the module's parameters (a tied head is its embedding).
+    with fsdp2.gathered_parameters(streamed) as whole:
+        unit_gathered_equal = (set(whole) == {k for k, _ in reference.named_parameters()}
+                               and all(torch.equal(whole[k], expected[k]) for k in whole))
+    resharded = all(isinstance(p, DTensor) for p in streamed.parameters())
     return [{"variant": name, "check": "files", "value": len(list(model_dir.glob("*.safetensors")))},
             {"variant": name, "check": "weights_equal",
              "value": all(torch.equal(gathered[k], expected[k]) for k in gathered) and set(gathered) <= set(expected)},
             {"variant": name, "check": "logits", "value": logits_diff},
+            {"variant": name, "check": "unit_gathered_equal", "value": unit_gathered_equal},
+            {"variant": name, "check": "resharded", "value": resharded},
             {"variant": name, "check": "local_rows", "value": local_rows}]
 
 

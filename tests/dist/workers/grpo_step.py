@@ -64,7 +64,8 @@ def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
     profile = out_file.with_suffix(".profile")
     with CommProfiler(profile, "test", dist.get_rank()):
         stats = learn_from(roles, mine, iteration=1)
-    weights = roles.actor.full_weights()
+    with roles.actor.gathered_weights() as gathered:
+        weights = {name: tensor.detach().clone() for name, tensor in gathered.items()}
     if dist.get_rank() == 0:
         events = [json.loads(line) for line in (profile / "rank-00000.jsonl").read_text().splitlines()]
         update_gathers = sum(e["phase"] == "policy_update" and e["op"].startswith("all_gather") for e in events)
