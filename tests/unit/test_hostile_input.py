@@ -153,7 +153,8 @@ def bad_field_value(draw):
                                   st.sampled_from([float("inf"), float("-inf"), float("nan")])),
                "str": st.one_of(st.integers(), st.booleans(), st.lists(words, max_size=2)),
                "bool": st.one_of(words, st.integers()),
-               "literal": st.one_of(words, st.lists(words, min_size=1, max_size=2))}
+               "literal": st.one_of(words, st.lists(words, min_size=1, max_size=2)),
+               "list": st.one_of(words, st.integers(), st.lists(words, min_size=1, max_size=2))}  # list[int] fields
     return path, draw(garbage[_kind(info.annotation)])
 
 
