@@ -43,7 +43,7 @@ class Machine:
                               "(gpu_memory_gib) or host memory (host_memory_gib) to plan for")
         gpu_name = profile.gpu_name or "GPU"
         if gpu_memory_gib:  # say so: the profile's GPU name may give another memory size
-            gpu_name += f" taken as {gpu_memory_gib:g} GiB"
+            gpu_name += f" (taken as {gpu_memory_gib:g} GiB each)"
         return cls(profile.name, gpu_name, gib * GIB, profile.gpus_per_node, profile.host_memory_gib * GIB)
 
     def nodes(self, gpus: int) -> int:
