@@ -219,6 +219,12 @@ class GRPOStage(Section):
     False keeps the actor's layers gathered from a forward until its backward ends and the frozen
     reference's gathered for good: no repeated all-gathers, at the price of whole-model weights on
     every rank (`hpcr1 plan` counts them). For models that fit whole on a rank."""
+    old_log_probs: Literal["actor", "rollout"] = "actor"
+    """Where the PPO ratio's old log-probabilities come from. 'actor': a forward of the actor over
+    the rollout batch before the update (verl's default). 'rollout': those the rollout computed while
+    sampling, which saves that forward (verl's algorithm.rollout_correction.bypass_mode). The native
+    rollout samples from the actor's weights, synced before every rollout, in the same dtype, so the
+    two differ by rounding only; with a vLLM/SGLang rollout (engine 'verl') they may differ more."""
     clip_ratio: PositiveFloat = 0.2
     """PPO clip range of the importance ratio."""
     kl_coef: NonNegativeFloat = 0.02

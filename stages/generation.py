@@ -202,12 +202,33 @@ def next_tokens(logits: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: in
     return torch.multinomial(probs, num_samples=1).squeeze(1)
 
 
+class TokenScores:
+    """What the sampler knew of each token it drew, filled in by `decode`: the token's log-probability
+    under the tempered softmax (before top-p: the distribution the GRPO loss's log-probs are of) and
+    that distribution's entropy, [b, max_new_tokens] each; positions after a row has ended hold
+    values for its padding that a response mask leaves out."""
+
+    def __init__(self, batch: int, max_new_tokens: int, temperature: float, device: torch.device):
+        if temperature <= 0:
+            raise ValueError(f"token log-probabilities need a sampling temperature > 0, got {temperature}")
+        self.temperature = temperature
+        self.log_probs = torch.zeros(batch, max_new_tokens, device=device)
+        self.entropy = torch.zeros(batch, max_new_tokens, device=device)
+
+    def record(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
+        """Step t: the logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
+        log_p = (logits / self.temperature).log_softmax(dim=-1)
+        self.log_probs[rows, t] = log_p.gather(1, tokens[rows, None]).squeeze(1)
+        self.entropy[rows, t] = -(log_p.exp() * log_p).sum(dim=-1)
+
+
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
-           temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+           temperature: float = 0.0, top_p: float = 1.0, scores: TokenScores | None = None) -> torch.Tensor:
     """New tokens [b, <= max_new_tokens] after left-padded prompts; a row that has emitted eos is
     padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
-    being decoded have ended, the decoder drops them (a copy of the cache: not at every ending)."""
+    being decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
+    `scores`, if given, receives each drawn token's log-probability and entropy."""
     batch, device = input_ids.shape[0], input_ids.device
     decoder = Decoder(model, input_ids, attention, max_new_tokens)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -215,7 +236,10 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
     rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
     hidden = decoder.prefill()
     for t in range(max_new_tokens):
-        token = next_tokens(decoder.logits(hidden), rows, batch, pad_id, temperature, top_p)
+        logits = decoder.logits(hidden)
+        token = next_tokens(logits, rows, batch, pad_id, temperature, top_p)
+        if scores is not None:
+            scores.record(logits, rows, token, t)
         out[:, t] = token.masked_fill_(finished, pad_id)
         finished |= token == eos_id
         if t + 1 == max_new_tokens or bool(finished.all()):
@@ -231,15 +255,16 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
 
 @torch.no_grad()
 def generate_tokens(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                    top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    top_p: float = 1.0,
+                    scores: TokenScores | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(left-padded prompts, their attention mask, the new tokens [b, <= max_new_tokens]); rows that
     end early are padded after their eos. Greedy when temperature is 0, else sampling from the
-    global torch RNG."""
+    global torch RNG (and `scores` filled in, if given)."""
     device = model.lm_head.weight.device
     input_ids, attention = left_padded(prompt_ids, tokenizer.pad_token_id)
     input_ids, attention = input_ids.to(device), attention.to(device)
     new_tokens = decode(model, input_ids, attention, max_new_tokens, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, temperature, top_p)
+                        tokenizer.pad_token_id, temperature, top_p, scores)
     return input_ids, attention, new_tokens
 
 

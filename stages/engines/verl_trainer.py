@@ -47,6 +47,9 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "actor_rollout_ref.actor.ppo_mini_batch_size": s.prompts_per_step // s.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
         "actor_rollout_ref.actor.ppo_epochs": s.ppo_epochs,
+        # old_log_probs 'rollout': verl's bypass mode reads the rollout's log-probs, which it must then return
+        "algorithm.rollout_correction.bypass_mode": s.old_log_probs == "rollout",
+        **({"actor_rollout_ref.rollout.calculate_log_probs": True} if s.old_log_probs == "rollout" else {}),
         "actor_rollout_ref.actor.clip_ratio": s.clip_ratio,
         "actor_rollout_ref.actor.clip_ratio_low": s.clip_ratio,
         "actor_rollout_ref.actor.clip_ratio_high": s.clip_ratio,

@@ -5,7 +5,8 @@ mini-batches.
 The first mini-batch of the first epoch is on-policy: no optimizer step has happened when the update
 reaches it, so its old log-probabilities are the update's own forward, detached (verl's on-policy
 shortcut). They are taken there, not in a forward of their own before the update; later epochs
-reuse them."""
+reuse them. With `old_log_probs: rollout` the actor computes no old log-probabilities at all: the
+rollout's are used (verl's bypass mode)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,6 +27,7 @@ class Actor:
         self.model = fsdp2.load_sharded(model_dir, trainable=True, reshard_after_forward=stage.reshard_after_forward)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
+        self.recomputes_old_log_probs = stage.old_log_probs == "actor"
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -50,7 +52,7 @@ class Actor:
             for index, mini in enumerate(batch.chunk(self.stage.mini_batches)):
                 global_tokens = mini.batch["response_mask"].sum()
                 dist.all_reduce(global_tokens)
-                on_policy = epoch == 0 and index == 0
+                on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
                 log_prob, entropy = response_log_probs(self.model, mini, with_entropy=on_policy,
                                                        micro_batch_size=self.stage.micro_batch_size)
                 if on_policy:  # written into the batch (mini is a view of it) for the later epochs

@@ -17,15 +17,17 @@ from verl.protocol import DataProto
 from stages.data.examples import Example
 from stages.data.tokenizer import encode_prompt
 from stages.engines.fsdp2 import local_device
-from stages.generation import generate_tokens
+from stages.generation import TokenScores, generate_tokens
 
 
 class Rollout:
-    def __init__(self, model_dir, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_p: float):
+    def __init__(self, model_dir, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_p: float,
+                 with_log_probs: bool = False):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(local_device()).eval()
         self.tokenizer = tokenizer
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
+        self.with_log_probs = with_log_probs
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -38,12 +40,19 @@ class Rollout:
             param.copy_(weights[name])
 
     def generate(self, prompts: list[Example], seed: int) -> DataProto:
-        """Rows are grouped: the G responses of a prompt are consecutive and share its `uid`."""
+        """Rows are grouped: the G responses of a prompt are consecutive and share its `uid`. With
+        `with_log_probs`, the batch also holds each response token's `rollout_log_probs` and the
+        `entropy` of the distribution it was drawn from."""
         torch.manual_seed(seed)
         prompt_ids = [encode_prompt(self.tokenizer, ex.prompt) for ex in prompts for _ in range(self.group_size)]
-        prompt, prompt_mask, responses = generate_tokens(self.model, self.tokenizer, prompt_ids,
-                                                         self.max_new_tokens, self.temperature, self.top_p)
+        scores = (TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, local_device())
+                  if self.with_log_probs else None)
+        prompt, prompt_mask, responses = generate_tokens(self.model, self.tokenizer, prompt_ids, self.max_new_tokens,
+                                                         self.temperature, self.top_p, scores)
         batch = sequences(prompt, prompt_mask, responses, self.tokenizer.eos_token_id)
+        if scores is not None:
+            width = responses.shape[1]
+            batch.update(rollout_log_probs=scores.log_probs[:, :width], entropy=scores.entropy[:, :width])
         repeat = lambda values: np.array([v for v in values for _ in range(self.group_size)], dtype=object)  # noqa: E731
         non_tensors = {"uid": repeat(ex.id for ex in prompts), "answer": repeat(ex.answer for ex in prompts),
                        "response_text": np.array(self.tokenizer.batch_decode(responses, skip_special_tokens=True),

@@ -38,7 +38,7 @@ def build_roles(init_dir, tokenizer, stage) -> Roles:
     return Roles(actor=Actor(init_dir, stage),
                  reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
                  rollout=Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
-                                 stage.top_p),
+                                 stage.top_p, with_log_probs=stage.old_log_probs == "rollout"),
                  reward=RuleReward(stage.format_reward))
 
 
@@ -64,14 +64,20 @@ def train_step_at(roles: Roles, schedule: PromptSchedule, stage, seed: int, step
 
 
 def learn_from(roles: Roles, batch: DataProto, iteration: int) -> dict[str, float]:
-    """Everything after the rollout: score, log-probs, advantages, update."""
+    """Everything after the rollout: score, log-probs, advantages, update. The reference goes first:
+    once its layers stay gathered (reshard_after_forward false) it makes no collective call, so a
+    rank whose rollout ended early works on it instead of waiting for the others in the actor's
+    first all-gather."""
     with phase("reward"):
         batch = batch.union(roles.reward(batch))
-    with phase("policy_logprob"):
-        batch = batch.union(roles.actor.compute_log_prob(batch))
     if roles.reference is not None:
         with phase("reference_logprob"):
             batch = batch.union(roles.reference.compute_ref_log_prob(batch))
+    if roles.actor.recomputes_old_log_probs:
+        with phase("policy_logprob"):
+            batch = batch.union(roles.actor.compute_log_prob(batch))
+    else:  # verl's bypass mode: the rollout's log-probs are the old policy's
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
     with phase("advantage"):
         batch = batch.union(grpo_advantages(batch))
     with phase("policy_update"):

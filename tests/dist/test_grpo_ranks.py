@@ -1,6 +1,7 @@
 """GRPO on real ranks: one update on 2 ranks changes the weights as on 1 rank, given the same
 global rollout batch (fed fixed, since sampling is per rank), whether FSDP2 reshards after each
-forward or keeps the layers gathered."""
+forward or keeps the layers gathered, and whether the old log-probs are the actor's or the
+rollout's (verl's bypass mode: equal values, so the same update)."""
 from __future__ import annotations
 
 import pytest
@@ -41,9 +42,22 @@ def two_ranks(model_dir, tmp_path_factory) -> dict[bool, dict]:
                               f"reshard_after_forward={reshard}") for reshard in (True, False)}
 
 
+@pytest.fixture(scope="module")
+def two_ranks_bypass(model_dir, tmp_path_factory) -> dict:
+    return run_step(model_dir, tmp_path_factory.mktemp("bypass"), 2, "old_log_probs=rollout")
+
+
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, one_rank, two_ranks, reshard_after_forward):
-    results = {1: one_rank, 2: two_ranks[reshard_after_forward]}
+    assert_same_update(model_dir, one_rank, two_ranks[reshard_after_forward])
+
+
+def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(model_dir, one_rank, two_ranks_bypass):
+    assert_same_update(model_dir, one_rank, two_ranks_bypass)
+
+
+def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:
+    results = {1: one_rank, 2: two_ranks}
     initial = LlamaForCausalLM.from_pretrained(model_dir).state_dict()
     one, two = results[1]["weights"], results[2]["weights"]
     moved = max((one[k] - initial[k]).abs().max().item() for k in one)

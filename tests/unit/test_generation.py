@@ -1,7 +1,8 @@
 """Our decode loop against Hugging Face `generate` and the model's own forward: greedy tokens
 identical, per-step logits equal within fp32 tolerance, sampling that draws the same tokens as
-`generate` (top_k=0) from the same seed and follows softmax(logits / T) after top-p, and eos rows
-padded with the loop stopping early."""
+`generate` (top_k=0) from the same seed and follows softmax(logits / T) after top-p, eos rows
+padded with the loop stopping early, and the recorded log-probs and entropy of the drawn tokens
+those of the model's own forward over each finished sequence."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from stages.data.tokenizer import build_char_tokenizer, encode_prompt
-from stages.generation import Decoder, decode, generate_responses, generate_tokens, left_padded
+from stages.generation import Decoder, TokenScores, decode, generate_responses, generate_tokens, left_padded
 from stages.models.tiny import build_tiny_llama
 
 VOCAB, PAD = 32, 0
@@ -195,3 +196,33 @@ def test_sampled_rows_that_end_leave_the_batch_and_the_others_still_draw_what_ge
     hf = hf_new_tokens(model, prompts, 40, eos, do_sample=True, temperature=1.0, top_k=0)
     assert kept_sizes and kept_sizes[-1] < 16, "the decoder never dropped the rows that had ended"
     assert torch.equal(ours, hf)
+
+
+def test_recorded_log_probs_and_entropy_are_the_forward_pass_values_of_each_finished_sequence():
+    """What the rollout hands the GRPO loss as old log-probs: for every token up to a row's eos, the
+    tempered (untruncated: top-p only narrows the draw) log-softmax of HF's forward over that row's
+    prompt and response alone, and the entropy of that distribution; recording draws nothing."""
+    model = random_llama(seed=2, logit_scale=3.0)
+    prompts, eos, temperature = ragged_prompts(12, seed=7), 2, 0.7
+    input_ids, attention = left_padded(prompts, PAD)
+    scores = TokenScores(len(prompts), 30, temperature, torch.device("cpu"))
+    torch.manual_seed(4)
+    tokens = decode(model, input_ids, attention, 30, eos, PAD, temperature, 0.9, scores)
+    torch.manual_seed(4)
+    assert torch.equal(tokens, decode(model, input_ids, attention, 30, eos, PAD, temperature, 0.9))
+    ended = [(row == eos).nonzero() for row in tokens]
+    assert sum(len(e) > 0 for e in ended) >= 6, "too few rows end: pick another eos"
+    for row, (prompt, end) in enumerate(zip(prompts, ended)):
+        length = end[0].item() + 1 if len(end) else tokens.shape[1]
+        response = tokens[row, :length]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1:-1]
+        log_p = (logits / temperature).log_softmax(-1)
+        torch.testing.assert_close(scores.log_probs[row, :length], log_p.gather(1, response[:, None])[:, 0],
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(scores.entropy[row, :length], -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_recording_log_probs_of_greedy_decoding_is_refused():
+    with pytest.raises(ValueError, match="temperature > 0"):
+        TokenScores(2, 4, 0.0, torch.device("cpu"))

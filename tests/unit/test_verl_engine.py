@@ -68,6 +68,15 @@ def test_70b_overrides_compose_and_pass_verls_validation_with_our_values(compose
     assert theirs.reward.custom_reward_function.reward_kwargs.format_weight == ours.format_reward
 
 
+@pytest.mark.parametrize("source, bypass", [("actor", False), ("rollout", True)])
+def test_old_log_probs_from_the_rollout_is_verls_bypass_mode_with_rollout_log_probs(tmp_path, source, bypass):
+    cfg = config_70b(f"stage2_grpo.old_log_probs={source}")
+    composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
+    assert composed.algorithm.rollout_correction.bypass_mode is bypass
+    assert composed.algorithm.rollout_correction.loss_type == "ppo_clip"  # our clipped loss, ratio to the rollout's
+    assert composed.actor_rollout_ref.rollout.calculate_log_probs is True
+
+
 def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path):
     cfg = config_70b("stage2_grpo.verl.backend=megatron", "stage2_grpo.verl.megatron_tp=4")
     composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))

@@ -1,4 +1,5 @@
-"""One GRPO update on a fixed rollout batch (the same global batch whatever the number of ranks):
+"""One GRPO update on a fixed rollout batch (the same global batch whatever the number of ranks; with
+old_log_probs=rollout, holding the starting model's log-probs as the rollout's):
 argv = MODEL_DIR OUT_FILE [KEY=VALUE ...] (settings of the stage, YAML values). Rank 0 saves the updated full
 weights to OUT_FILE, with the all-gathers its update made."""
 from __future__ import annotations
@@ -11,12 +12,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
+from transformers import AutoModelForCausalLM
 from verl.protocol import DataProto
 
 from launch.comm_profiler import CommProfiler
 from launch.dist import shutdown_distributed
 from pipeline.config import GRPOStage
 from stages.grpo.actor import Actor
+from stages.grpo.logprobs import response_log_probs
 from stages.grpo.prompts import rank_share
 from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
@@ -50,6 +53,15 @@ def fixed_global_batch() -> DataProto:
                                meta_info={"temperature": 1.0})
 
 
+def with_rollout_log_probs(batch: DataProto, model_dir: Path) -> DataProto:
+    """The batch as a rollout recording its log-probs would give it: those of the starting model,
+    here from a plain forward of the whole model (no FSDP)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        log_probs, entropy = response_log_probs(model, batch, with_entropy=True)
+    return batch.union(DataProto.from_dict(tensors={"rollout_log_probs": log_probs, "entropy": entropy}))
+
+
 def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
     updates = {key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in settings)}
     stage = GRPOStage.model_validate({**STAGE.model_dump(), **updates})
@@ -59,6 +71,8 @@ def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
                          STAGE.mini_batches)
     mine = fixed_global_batch().select_idxs([p * STAGE.group_size + k for p in prompts
                                              for k in range(STAGE.group_size)])
+    if stage.old_log_probs == "rollout":
+        mine = with_rollout_log_probs(mine, model_dir)
     roles = Roles(actor=Actor(model_dir, stage), reference=Reference(model_dir, stage), rollout=None,
                   reward=RuleReward(STAGE.format_reward))
     profile = out_file.with_suffix(".profile")
