@@ -218,7 +218,9 @@ class GRPOStage(Section):
     """FSDP2's: free each gathered layer after its forward (and gather it again for the backward).
     False keeps the actor's layers gathered from a forward until its backward ends and the frozen
     reference's gathered for good: no repeated all-gathers, at the price of whole-model weights on
-    every rank (`hpcr1 plan` counts them). For models that fit whole on a rank."""
+    every rank (`hpcr1 plan` counts them). For models that fit whole on a rank. False also has the
+    log-prob passes forward each distinct prompt once for its whole group (one more forward call,
+    which would cost one more all-gather of every layer were the layers freed after each forward)."""
     old_log_probs: Literal["actor", "rollout"] = "actor"
     """Where the PPO ratio's old log-probabilities come from. 'actor': a forward of the actor over
     the rollout batch before the update (verl's default). 'rollout': those the rollout computed while

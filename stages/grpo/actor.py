@@ -28,6 +28,7 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
         self.recomputes_old_log_probs = stage.old_log_probs == "actor"
+        self.share_prompts = not stage.reshard_after_forward  # see stages/grpo/logprobs.py
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -38,7 +39,8 @@ class Actor:
         out = {key: torch.full(responses.shape, float("nan"), device=responses.device) for key in ("old_log_probs", "entropy")}
         if first < len(batch):
             out["old_log_probs"][first:], out["entropy"][first:] = response_log_probs(
-                self.model, batch[first:], with_entropy=True, micro_batch_size=self.stage.micro_batch_size)
+                self.model, batch[first:], with_entropy=True, micro_batch_size=self.stage.micro_batch_size,
+                share_prompts=self.share_prompts)
         return DataProto.from_dict(tensors=out)
 
     def update(self, batch: DataProto, iteration: int) -> dict[str, float]:
@@ -54,7 +56,8 @@ class Actor:
                 dist.all_reduce(global_tokens)
                 on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
                 log_prob, entropy = response_log_probs(self.model, mini, with_entropy=on_policy,
-                                                       micro_batch_size=self.stage.micro_batch_size)
+                                                       micro_batch_size=self.stage.micro_batch_size,
+                                                       share_prompts=self.share_prompts)
                 if on_policy:  # written into the batch (mini is a view of it) for the later epochs
                     mini.batch["old_log_probs"].copy_(log_prob.detach())
                     mini.batch["entropy"].copy_(entropy)

@@ -1,47 +1,105 @@
 """Forwards over prompt+response sequences: per-token log-probabilities of the response tokens (and
 their entropy), shared by the actor and the reference.
 
+The G responses of a group share their prompt (the same tokens with the same left padding: the
+rollout pads the whole batch together), so each distinct prompt can be forwarded once, keeping its
+keys and values, and the responses forwarded against copies of them. The copies are index_selects:
+the gradient of every response flows back into the one prompt forward, summed over its group. That
+prompt forward is one more forward call on the model: where FSDP2 reshards its layers after every
+forward, one more all-gather of every layer (and in the update, one more in the backward), so the
+roles share prompts only where the layers are kept gathered. FSDP2 still reduce-scatters each
+gradient once a backward: a parameter's gradient is accumulated once, after every forward call that
+used it has been differentiated, and the post-backwards before that find no gradient to reduce.
+
 A batch can be forwarded in length-sorted micro-batches: rows sorted by response length, cut into
 groups of `micro_batch_size`, each forwarded only up to its own longest response. Responses end at
 different lengths and the rollout pads them all to the longest, so one forward over the whole batch
 spends much of its time on padding; the right padding cut away changes nothing (attention is causal)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from verl.protocol import DataProto
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
-def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micro_batch_size: int | None = None):
+def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micro_batch_size: int | None = None,
+                       share_prompts: bool = True):
     """(log_probs [b, r], entropy [b, r] or None), in the batch's row order; positions past each
     micro-batch's longest response are 0. Logits are divided by the sampling temperature, so the
     log-probabilities are those of the distribution the rollout sampled from. The entropy carries no
-    gradient (it is a statistic)."""
+    gradient (it is a statistic). Without `share_prompts` every row is forwarded whole."""
     t, temperature = batch.batch, batch.meta_info["temperature"]
     width = t["responses"].shape[1]
+    prompts = SharedPrompts.forward(model, t) if share_prompts else None
     if micro_batch_size is None or micro_batch_size >= len(batch):
-        return _forward(model, t, torch.arange(len(batch)), width, temperature, with_entropy)
+        return _forward(model, t, prompts, torch.arange(len(batch)), width, temperature, with_entropy)
     order = torch.argsort(t["response_mask"].sum(dim=1), descending=True, stable=True)
-    pieces = [_forward(model, t, rows, width, temperature, with_entropy) for rows in order.split(micro_batch_size)]
+    pieces = [_forward(model, t, prompts, rows, width, temperature, with_entropy)
+              for rows in order.split(micro_batch_size)]
     restore = torch.empty_like(order)
     restore[order] = torch.arange(len(order))
     log_probs = torch.cat([lp for lp, _ in pieces])[restore]
     return log_probs, torch.cat([e for _, e in pieces])[restore] if with_entropy else None
 
 
-def _forward(model, t, rows: torch.Tensor, width: int, temperature: float, with_entropy: bool):
+@dataclass
+class SharedPrompts:
+    """The batch's distinct prompts, forwarded once: their keys and values at every layer, the logits
+    of their last position (which predict the first response token), and which of them each row has."""
+    keys_values: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [distinct, kv heads, prompt, head dim]
+    last_logits: torch.Tensor  # [distinct, vocab]
+    of_row: torch.Tensor  # [rows]
+
+    @classmethod
+    def forward(cls, model, t) -> SharedPrompts:
+        # Rows are equal prompts when their tokens, mask and positions are, whatever their uid says.
+        width = t["prompts"].shape[1]
+        rows = torch.cat([t[key][:, :width] for key in INPUTS], dim=1)
+        distinct, of_row = torch.unique(rows, dim=0, return_inverse=True)
+        ids, mask, positions = distinct.split(width, dim=1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        keys_values = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return cls(keys_values, out.logits[:, -1], of_row)
+
+    def response_logits(self, model, t, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """The logits predicting the rows' first `length` response tokens, with only the responses
+        forwarded, against a cache holding a copy of each row's prompt (which the forward extends)."""
+        index, start = self.of_row[rows], t["prompts"].shape[1]
+        cache = DynamicCache([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.keys_values],
+                             config=model.config)
+        logits = model(input_ids=t["responses"][rows, :length],
+                       attention_mask=t["attention_mask"][rows, :start + length],
+                       position_ids=t["position_ids"][rows, start:start + length], past_key_values=cache,
+                       use_cache=True).logits
+        # Response token 0 is predicted by the prompt's last position, token j by response position j - 1.
+        return torch.cat([self.last_logits.index_select(0, index)[:, None], logits[:, :-1]], dim=1)
+
+
+def _forward(model, t, prompts: SharedPrompts | None, rows: torch.Tensor, width: int, temperature: float,
+             with_entropy: bool):
     """The rows' log-probs (and entropy), forwarded up to their longest response, zero-padded to `width`."""
     length = max(int(t["response_mask"][rows].sum(dim=1).max()), 1)
-    cut = t["input_ids"].shape[1] - width + length  # prompt columns + the longest response here
-    inputs = {key: t[key][rows, :cut] for key in INPUTS}
-    logits = model(**inputs, use_cache=False).logits
-    # The logits at position i predict token i + 1: the response's are the `length` positions before the end.
-    logits = logits[:, -length - 1:-1].float() / temperature
+    if prompts is None:
+        logits = _whole_rows_logits(model, t, rows, length)
+    else:
+        logits = prompts.response_logits(model, t, rows, length)
+    logits = logits.float() / temperature
     log_probs = F.pad(logprobs_from_logits(logits, t["responses"][rows, :length]), (0, width - length))
     if not with_entropy:
         return log_probs, None
     with torch.no_grad():
         return log_probs, F.pad(entropy_from_logits(logits.detach()), (0, width - length))
+
+
+def _whole_rows_logits(model, t, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """The logits predicting the rows' first `length` response tokens, each row forwarded whole."""
+    cut = t["prompts"].shape[1] + length
+    logits = model(**{key: t[key][rows, :cut] for key in INPUTS}, use_cache=False).logits
+    # The logits at position i predict token i + 1: the response's are the `length` positions before the end.
+    return logits[:, -length - 1:-1]

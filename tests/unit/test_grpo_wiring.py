@@ -173,3 +173,85 @@ def test_length_sorted_micro_batches_give_the_one_forward_log_probs_and_entropy(
             parts, entropy = response_log_probs(model, batch, with_entropy=True, micro_batch_size=size)
             assert torch.allclose(parts[mask], whole[mask], atol=1e-5), size
             assert torch.allclose(entropy[mask], whole_entropy[mask], atol=1e-5), size
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
+                                        eos_token_id=EOS, bos_token_id=None))
+
+
+def grouped_batch(prompts: list[list[int]], group_size: int) -> DataProto:
+    """Each prompt `group_size` times, left-padded to the longest, the rows shuffled (a group's rows are
+    not neighbours); responses of random tokens ending at a random eos, or at none."""
+    g = torch.Generator().manual_seed(7)
+    width, rows, response_width = max(map(len, prompts)), len(prompts) * group_size, 6
+    order = torch.randperm(rows, generator=g)
+    prompt = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts]).repeat_interleave(group_size, dim=0)[order]
+    responses = torch.randint(2, 16, (rows, response_width), generator=g)
+    for row, end in enumerate(torch.randint(0, response_width + 1, (rows,), generator=g).tolist()):
+        responses[row, end:end + 1] = EOS
+        responses[row, end + 1:] = PAD
+    return DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
+                               meta_info={"temperature": 0.7})
+
+
+def full_forward_log_probs(model, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: one plain forward over every whole prompt+response row; the log-probs of the
+    response tokens under the tempered logits of the positions before them, and their entropy."""
+    t = batch.batch
+    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]).logits
+    start = t["prompts"].shape[1]
+    log_p = (logits[:, start - 1:-1] / batch.meta_info["temperature"]).log_softmax(dim=-1)
+    return log_p.gather(-1, t["responses"][..., None])[..., 0], -(log_p.exp() * log_p).sum(dim=-1)
+
+
+PROMPTS = [[5, 6], [7, 8, 9, 10], [3], [4, 4, 2]]
+
+
+def weighted_sum_gradients(model, log_probs: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad((log_probs * weights).sum(), list(model.parameters())))
+
+
+@pytest.mark.parametrize("group_size", [3, 1])  # 1: no two prompts are equal
+@pytest.mark.parametrize("share_prompts", [True, False])
+@pytest.mark.parametrize("micro_batch_size", [None, 1, 3, 5])
+def test_log_probs_and_entropy_equal_the_full_forward_with_prompts_shared_or_not(micro_batch_size, share_prompts,
+                                                                                   group_size):
+    model = tiny_llama().eval()
+    batch = grouped_batch(PROMPTS, group_size)
+    mask = batch.batch["response_mask"].bool()
+    with torch.no_grad():
+        expected, expected_entropy = full_forward_log_probs(model, batch)
+        log_probs, entropy = response_log_probs(model, batch, with_entropy=True, micro_batch_size=micro_batch_size,
+                                                share_prompts=share_prompts)
+    assert torch.allclose(log_probs[mask], expected[mask], atol=1e-5)
+    assert torch.allclose(entropy[mask], expected_entropy[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [3, 1])
+@pytest.mark.parametrize("micro_batch_size", [None, 3])
+def test_gradients_through_shared_prompts_equal_the_full_forward_gradients(micro_batch_size, group_size):
+    """Every parameter's gradient, the prompts' share included (summed over the rows sharing each)."""
+    model = tiny_llama()
+    batch = grouped_batch(PROMPTS, group_size)
+    weights = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(3))
+    weights *= batch.batch["response_mask"]  # past a response's end the two ways need not agree
+    expected = weighted_sum_gradients(model, full_forward_log_probs(model, batch)[0], weights)
+    actual = weighted_sum_gradients(model, response_log_probs(model, batch, micro_batch_size=micro_batch_size)[0],
+                                    weights)
+    for (name, _), grad, expected_grad in zip(model.named_parameters(), actual, expected):
+        assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_each_distinct_prompt_is_forwarded_once():
+    model = tiny_llama()
+    forwarded = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: forwarded.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        response_log_probs(model, grouped_batch(PROMPTS, group_size=3), micro_batch_size=5)
+    prompt_width, response_width = max(map(len, PROMPTS)), 6
+    assert forwarded[0] == (len(PROMPTS), prompt_width)
+    assert [rows for rows, _ in forwarded[1:]] == [5, 5, 2]
+    assert all(columns <= response_width for _, columns in forwarded[1:])
