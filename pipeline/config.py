@@ -227,6 +227,11 @@ class GRPOStage(Section):
     sampling, which saves that forward (verl's algorithm.rollout_correction.bypass_mode). The native
     rollout samples from the actor's weights, synced before every rollout, in the same dtype, so the
     two differ by rounding only; with a vLLM/SGLang rollout (engine 'verl') they may differ more."""
+    balance_batch: bool = True
+    """Move whole groups of rollout rows between ranks after the rollout so that each rank's share of
+    every mini-batch has about the same tokens (verl's trainer.balance_batch): the reference pass and
+    the update then take about as long on every rank, instead of all waiting for the one whose
+    responses came out longest."""
     clip_ratio: PositiveFloat = 0.2
     """PPO clip range of the importance ratio."""
     kl_coef: NonNegativeFloat = 0.02

@@ -75,6 +75,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "reward.custom_reward_function.path": REWARD_MODULE,
         "reward.custom_reward_function.name": "compute_score",
         "+reward.custom_reward_function.reward_kwargs.format_weight": s.format_reward,
+        "trainer.balance_batch": s.balance_batch,
         "trainer.nnodes": nnodes, "trainer.n_gpus_per_node": gpus_per_node,
         "trainer.total_training_steps": s.steps,
         "trainer.total_epochs": s.steps,  # an epoch has at least one step: never the limit

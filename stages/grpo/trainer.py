@@ -17,6 +17,7 @@ from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
 from stages.context import StageContext
 from stages.data.examples import read_examples
 from stages.grpo.actor import Actor
+from stages.grpo.balance import balance_across_ranks
 from stages.grpo.losses import grpo_advantages
 from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
@@ -64,12 +65,16 @@ def train_step_at(roles: Roles, schedule: PromptSchedule, stage, seed: int, step
 
 
 def learn_from(roles: Roles, batch: DataProto, iteration: int) -> dict[str, float]:
-    """Everything after the rollout: score, log-probs, advantages, update. The reference goes first:
-    once its layers stay gathered (reshard_after_forward false) it makes no collective call, so a
-    rank whose rollout ended early works on it instead of waiting for the others in the actor's
-    first all-gather."""
+    """Everything after the rollout: score, balance the rows over the ranks, log-probs, advantages,
+    update. The reference goes first: once its layers stay gathered (reshard_after_forward false) it
+    makes no collective call, so without balancing a rank whose rollout ended early works on it
+    instead of waiting for the others in the actor's first all-gather."""
+    stage = roles.actor.stage
     with phase("reward"):
         batch = batch.union(roles.reward(batch))
+    if stage.balance_batch:
+        with phase("balance"):
+            batch = balance_across_ranks(batch, stage.mini_batches, stage.group_size)
     if roles.reference is not None:
         with phase("reference_logprob"):
             batch = batch.union(roles.reference.compute_ref_log_prob(batch))

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from verl.protocol import DataProto
 
+from stages.grpo.balance import padded_to
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
 from stages.grpo.prompts import rank_share
@@ -255,3 +256,19 @@ def test_each_distinct_prompt_is_forwarded_once():
     assert forwarded[0] == (len(PROMPTS), prompt_width)
     assert [rows for rows, _ in forwarded[1:]] == [5, 5, 2]
     assert all(columns <= response_width for _, columns in forwarded[1:])
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_rows_padded_for_the_move_between_ranks_keep_their_log_probs(share_prompts):
+    """balance_across_ranks pads every rank's rows to the widest prompt and response of any rank:
+    the padding must change no response token's log-probability or entropy."""
+    model, batch = tiny_llama().eval(), grouped_batch(PROMPTS, group_size=2)
+    width = batch.batch["responses"].shape[1]
+    padded = padded_to(batch, batch.batch["prompts"].shape[1] + 3, width + 4)
+    with torch.no_grad():
+        log_probs, entropy = response_log_probs(model, batch, with_entropy=True, share_prompts=share_prompts)
+        wider, wider_entropy = response_log_probs(model, padded, with_entropy=True, share_prompts=share_prompts)
+    mask = batch.batch["response_mask"].bool()
+    assert torch.allclose(wider[:, :width][mask], log_probs[mask], atol=1e-5)
+    assert torch.allclose(wider_entropy[:, :width][mask], entropy[mask], atol=1e-5)
+    assert not padded.batch["response_mask"][:, width:].any()

@@ -59,6 +59,7 @@ def test_70b_overrides_compose_and_pass_verls_validation_with_our_values(compose
     assert theirs.data.max_response_length == ours.max_new_tokens and arr.rollout.temperature == ours.temperature
     assert theirs.trainer.resume_mode == "auto" and theirs.trainer.default_local_dir == str(run.ckpt(sid).resolve())
     assert theirs.trainer.nnodes * theirs.trainer.n_gpus_per_node == cfg.nproc == 128
+    assert theirs.trainer.balance_batch is ours.balance_batch
     assert theirs.trainer.total_training_steps == ours.steps and theirs.trainer.save_freq == ours.checkpoint_every
     assert arr.model.path == str(run.final(ours.init_from).resolve())
     assert arr.rollout.name == "vllm" and arr.actor.strategy == "fsdp"
