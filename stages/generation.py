@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
 from stages.data.tokenizer import encode_prompt
 
@@ -217,9 +218,10 @@ class TokenScores:
 
     def record(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
         """Step t: the logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
-        log_p = (logits / self.temperature).log_softmax(dim=-1)
-        self.log_probs[rows, t] = log_p.gather(1, tokens[rows, None]).squeeze(1)
-        self.entropy[rows, t] = -(log_p.exp() * log_p).sum(dim=-1)
+        # verl's functions, as the actor's and the reference's log-prob passes use (stages/grpo/logprobs.py)
+        tempered = logits / self.temperature
+        self.log_probs[rows, t] = logprobs_from_logits(tempered, tokens[rows])
+        self.entropy[rows, t] = entropy_from_logits(tempered)
 
 
 @torch.no_grad()
