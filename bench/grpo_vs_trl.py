@@ -35,8 +35,9 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from stages.data.examples import read_examples
-    from stages.rewards.math_reward import score
+    from stages.rewards.math_reward import score, start_symbolic_worker
 
+    start_symbolic_worker()  # before the models load, as our trainer does: in neither side's timed steps
     run, cfg, stage, model_dir = versus.peer_setup(run_dir, STAGE)
     prompts = read_examples(run.task_file("prompts"))
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": ex.prompt}] for ex in prompts],

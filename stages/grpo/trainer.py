@@ -36,11 +36,12 @@ class Roles:
 
 
 def build_roles(init_dir, tokenizer, stage) -> Roles:
+    reward = RuleReward(stage.format_reward)  # first: its scoring process starts while the models load
     return Roles(actor=Actor(init_dir, stage),
                  reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
                  rollout=Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
                                  stage.top_p, with_log_probs=stage.old_log_probs == "rollout"),
-                 reward=RuleReward(stage.format_reward))
+                 reward=reward)
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:

@@ -94,33 +94,44 @@ class _SymbolicWorker:
     def __init__(self):
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.ready = False  # the child has said "ready" (its imports and math_verify's set-up take ~0.7 s)
         self.unavailable = False
+
+    def start(self) -> None:
+        """Start the child without waiting for it, so that its set-up overlaps the caller's."""
+        with self.lock:
+            if self.proc is None and not self.unavailable:
+                self._spawn()
 
     def match(self, predicted: str, truth: str) -> bool:
         with self.lock:
             if self.unavailable:
                 return False
-            if self.proc is None and not self._start():
+            if self.proc is None:
+                self._spawn()
+            if not self.ready and not self._wait_ready():
                 return False
             reply = self._ask(json.dumps([truth, predicted]) + "\n")
             if reply is None:
                 self.stop()
             return reply == "1"
 
-    def _start(self) -> bool:
+    def _spawn(self) -> None:
         script = Path(__file__).with_name("symbolic_worker.py")
         try:
             self.proc = subprocess.Popen([sys.executable, str(script), str(SYMBOLIC_CPU_S)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True)
-            ready = self._ask("") == "ready"
         except OSError:
-            ready = False
-        if not ready:
+            self.proc = None
+
+    def _wait_ready(self) -> bool:
+        self.ready = self.proc is not None and self._ask("") == "ready"
+        if not self.ready:
             # Without the worker every later call would wait for another failed start.
             log.warning("math_verify worker did not start: non-numeric answers will score incorrect")
             self.stop()
             self.unavailable = True
-        return ready
+        return self.ready
 
     def _ask(self, request: str) -> str | None:
         """Send a request and read one line back, or None if the worker died (out of CPU time) or hung."""
@@ -137,8 +148,14 @@ class _SymbolicWorker:
         if self.proc is not None:
             self.proc.kill()
             self.proc.communicate()  # reaps it and closes the pipes
-            self.proc = None
+            self.proc, self.ready = None, False
 
 
 _SYMBOLIC = _SymbolicWorker()
 atexit.register(_SYMBOLIC.stop)
+
+
+def start_symbolic_worker() -> None:
+    """Start math_verify's process now, in the background: a trainer calls this before loading its
+    models, so that its first non-numeric answer does not wait ~0.7 s for the process to start."""
+    _SYMBOLIC.start()

@@ -198,3 +198,15 @@ def test_odd_strings_never_raise(response):
 
 def test_answer_is_compared_as_text_when_given_as_number():
     assert score("<think>x</think><answer>72</answer>", 72).correct
+
+
+def test_the_early_started_worker_is_the_one_that_scores():
+    from stages.rewards import math_reward
+
+    math_reward._SYMBOLIC.stop()
+    math_reward.start_symbolic_worker()
+    started = math_reward._SYMBOLIC.proc
+    math_reward.start_symbolic_worker()  # a second start while it runs starts nothing
+    assert started is not None and math_reward._SYMBOLIC.proc is started
+    assert score("<think></think><answer>\\frac{1}{2}</answer>", "0.5").correct
+    assert math_reward._SYMBOLIC.proc is started and started.poll() is None
