@@ -99,7 +99,13 @@ def gathered_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tens
     try:
         yield dict(model.named_parameters())
     finally:
-        for unit in units:
+        reshard(model)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every unit's gathered parameters, leaving each rank its shards (every rank calls it)."""
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
             unit.reshard()
 
 

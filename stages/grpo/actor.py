@@ -31,6 +31,11 @@ class Actor:
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
         self.recomputes_old_log_probs = stage.old_log_probs == "actor"
         self.share_prompts = not stage.reshard_after_forward  # see stages/grpo/logprobs.py
+        if self.share_prompts:
+            # A backward over shared prompts differentiates each layer twice (the responses' forward,
+            # then the prompts'); kept gathered after the first, the layer needs no second all-gather.
+            # The update reshards by hand once the backward is done.
+            self.model.set_reshard_after_backward(False)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: DataProto) -> DataProto:
@@ -66,6 +71,8 @@ class Actor:
                 loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
                                          int(global_tokens.clamp(min=1)), world)
                 loss.backward()
+                if self.share_prompts:  # before the step: it updates the shards, which the next forward gathers
+                    fsdp2.reshard(self.model)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.stage.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
