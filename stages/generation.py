@@ -177,8 +177,8 @@ class Decoder:
         return F.linear(hidden, self.lm_head).float()
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Go on with these rows only (indices into the current ones): rows that have ended stop
-        costing matmuls and attention."""
+        """Go on with these rows only (indices into the current ones, repeats allowed): rows that
+        have ended stop costing matmuls and attention."""
         self.keys, self.values, self.key_bias = self.keys[:, rows], self.values[:, rows], self.key_bias[rows]
         self.cos, self.sin = self.cos[rows], self.sin[rows]
 
@@ -235,6 +235,19 @@ class TokenScores:
         self.entropy[rows, t] = entropy_from_logits(tempered)
 
 
+def prefilled(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int) -> tuple[Decoder, torch.Tensor]:
+    """A decoder over the batch, prefilled, and its last hidden states. A prompt that several rows
+    share (GRPO's G samples of each) is prefilled once and its cache copied to them."""
+    distinct, of_row = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0, return_inverse=True)
+    if len(distinct) == len(input_ids):
+        decoder = Decoder(model, input_ids, attention, max_new_tokens)
+        return decoder, decoder.prefill()
+    decoder = Decoder(model, *distinct.split(input_ids.shape[1], dim=1), max_new_tokens)
+    hidden = decoder.prefill()[of_row]
+    decoder.keep(of_row)
+    return decoder, hidden
+
+
 @torch.no_grad()
 def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
            temperature: float = 0.0, top_p: float = 1.0, scores: TokenScores | None = None) -> torch.Tensor:
@@ -243,11 +256,10 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
     being decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
     `scores`, if given, receives each drawn token's log-probability and entropy."""
     batch, device = input_ids.shape[0], input_ids.device
-    decoder = Decoder(model, input_ids, attention, max_new_tokens)
+    decoder, hidden = prefilled(model, input_ids, attention, max_new_tokens)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
-    hidden = decoder.prefill()
     for t in range(max_new_tokens):
         logits = decoder.logits(hidden)
         token = next_tokens(logits, rows, batch, pad_id, temperature, top_p)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from stages.data.tokenizer import build_char_tokenizer, encode_prompt
-from stages.generation import Decoder, TokenScores, decode, generate_responses, generate_tokens, left_padded
+from stages.generation import Decoder, TokenScores, decode, generate_responses, generate_tokens, left_padded, prefilled
 from stages.models.tiny import build_tiny_llama
 
 VOCAB, PAD = 32, 0
@@ -113,6 +113,26 @@ def test_sampling_draws_what_hf_generate_draws_from_the_same_seed(temperature, t
     hf = hf_new_tokens(model, prompts, 30, VOCAB + 1, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     assert torch.equal(ours, again)
     assert torch.equal(ours, hf)
+
+
+def test_grouped_prompts_are_prefilled_once_and_draw_what_generate_draws(monkeypatch):
+    """GRPO's batches hold each prompt G times in a row: each distinct prompt is prefilled once, and
+    the rows still draw what `generate` draws from the same seed."""
+    model = random_llama(logit_scale=5.0)
+    prompts = [p for p in ragged_prompts(3, seed=5) for _ in range(4)]
+    prefill_rows = []
+    original = Decoder.prefill
+    monkeypatch.setattr(Decoder, "prefill", lambda self: prefill_rows.append(len(self.input_ids)) or original(self))
+    torch.manual_seed(2)
+    ours = our_new_tokens(model, prompts, 30, VOCAB + 1, temperature=0.7)
+    torch.manual_seed(2)
+    hf = hf_new_tokens(model, prompts, 30, VOCAB + 1, do_sample=True, temperature=0.7, top_k=0)
+    assert prefill_rows == [3]
+    assert torch.equal(ours, hf)
+    input_ids, attention = left_padded(prompts, PAD)
+    with torch.no_grad():
+        _, hidden = prefilled(model, input_ids, attention, 30)
+    assert all(torch.equal(hidden[i], hidden[i - i % 4]) for i in range(len(prompts)))
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
