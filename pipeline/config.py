@@ -211,8 +211,9 @@ class GRPOStage(Section):
     mini_batches: PositiveInt = 2
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
     micro_batch_size: PositiveInt = 16
-    """Rows per forward on each rank in the log-prob and update passes. Rows are sorted by response
-    length first and each micro-batch is forwarded only up to its own longest response, so smaller
+    """Most rows per forward on each rank in the log-prob and update passes. Rows are sorted by
+    response length first, a row less than half as long as the longest of its micro-batch starts
+    another, and each micro-batch is forwarded only up to its own longest response, so smaller
     micro-batches forward less padding (and hold fewer activations) but make more forwards."""
     reshard_after_forward: bool = True
     """FSDP2's: free each gathered layer after its forward (and gather it again for the backward).

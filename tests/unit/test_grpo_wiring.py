@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verl.protocol import DataProto
 
 from stages.grpo.balance import padded_to
-from stages.grpo.logprobs import response_log_probs
+from stages.grpo.logprobs import micro_batches, response_log_probs
 from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
 from stages.grpo.prompts import rank_share
 from stages.grpo.reward import RuleReward
@@ -254,7 +254,7 @@ def test_each_distinct_prompt_is_forwarded_once():
         response_log_probs(model, grouped_batch(PROMPTS, group_size=3), micro_batch_size=5)
     prompt_width, response_width = max(map(len, PROMPTS)), 6
     assert forwarded[0] == (len(PROMPTS), prompt_width)
-    assert [rows for rows, _ in forwarded[1:]] == [5, 5, 2]
+    assert sum(rows for rows, _ in forwarded[1:]) == 3 * len(PROMPTS)
     assert all(columns <= response_width for _, columns in forwarded[1:])
 
 
@@ -272,3 +272,11 @@ def test_rows_padded_for_the_move_between_ranks_keep_their_log_probs(share_promp
     assert torch.allclose(wider[:, :width][mask], log_probs[mask], atol=1e-5)
     assert torch.allclose(wider_entropy[:, :width][mask], entropy[mask], atol=1e-5)
     assert not padded.batch["response_mask"][:, width:].any()
+
+
+def test_micro_batches_hold_at_most_max_rows_and_cut_where_responses_halve():
+    lengths = torch.tensor([10, 53, 9, 52, 10, 53, 53, 25, 27])
+    groups = micro_batches(lengths, max_rows=3)
+    assert [lengths[g].tolist() for g in groups] == [[53, 53, 53], [52, 27], [25], [10, 10, 9]]
+    assert sorted(torch.cat(groups).tolist()) == list(range(len(lengths)))
+    assert [len(g) for g in micro_batches(torch.full((7,), 4), max_rows=3)] == [3, 3, 1]
