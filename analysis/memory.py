@@ -178,13 +178,17 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: i
     rollout_seqs = g.prompts_per_step * g.group_size / N
     update_seqs = math.ceil(rollout_seqs / g.mini_batches)
     actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
-    if g.reshard_after_forward:
+    if g.reshard_after_forward and g.fsdp_units == "layer":
         # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays
         # gathered through forward and backward.
         gathered = Term("actor_gathered", "(embeddings + 1 layer)·2", (m.embedding_params() + m.layer_params()) * BF16)
-        reference = Term("reference_weights", "P·2/N", P * BF16 / N)
-    else:  # every layer stays gathered from its forward to its backward; the reference's for good
+    elif g.reshard_after_forward:  # one unit: the whole model gathered for each forward and backward
+        gathered = Term("actor_gathered", "P·2 (fsdp_units: model)", P * BF16)
+    else:  # every layer stays gathered from its forward to its backward
         gathered = Term("actor_gathered", "P·2 (reshard_after_forward: false)", P * BF16)
+    if g.reshard_after_forward:  # gathered only while it forwards, when the actor's are not
+        reference = Term("reference_weights", "P·2/N", P * BF16 / N)
+    else:  # gathered for good
         reference = Term("reference_weights", "P·2 (reshard_after_forward: false)", P * BF16)
     gpu = [*(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
            gathered, reference,

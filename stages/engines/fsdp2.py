@@ -3,7 +3,8 @@ whole-parameter gathers (for the rollout's weight sync and the final export) and
 checkpoints through torch.distributed.checkpoint.
 
 Each decoder layer is its own FSDP unit, so only one layer's full parameters exist at a time in a
-forward; the root unit holds the embeddings, the final norm and the head. The same code runs on
+forward; the root unit holds the embeddings, the final norm and the head (or, for small models on
+CPU ranks, the root unit holds everything: fewer collectives). The same code runs on
 CPU (gloo, DeviceMesh "cpu") and on GPUs (NCCL).
 
 Loading never holds the whole model on a rank: the model is built on the meta device, sharded,
@@ -36,16 +37,17 @@ def local_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def load_sharded(hf_dir: Path, trainable: bool, reshard_after_forward: bool = True) -> torch.nn.Module:
-    """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer);
-    each rank reads only its own rows of each tensor."""
+def load_sharded(hf_dir: Path, trainable: bool, reshard_after_forward: bool = True,
+                 units: str = "layer") -> torch.nn.Module:
+    """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer, or
+    with `units="model"` one for the whole model); each rank reads only its own rows of each tensor."""
     device = local_device()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     model.requires_grad_(trainable)
     model.train(trainable)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.model.layers:
+    for layer in model.model.layers if units == "layer" else []:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)

@@ -24,7 +24,8 @@ from stages.grpo.losses import actor_loss, policy_loss_config
 class Actor:
     def __init__(self, model_dir: Path, stage: GRPOStage):
         self.stage = stage
-        self.model = fsdp2.load_sharded(model_dir, trainable=True, reshard_after_forward=stage.reshard_after_forward)
+        self.model = fsdp2.load_sharded(model_dir, trainable=True, reshard_after_forward=stage.reshard_after_forward,
+                                        units=stage.fsdp_units)
         # fused: one kernel over all parameters; the default loops over them, op by op through DTensor's
         # dispatch (clip + step on the tiny model's shards on 2 ranks: 9-10 ms fused, 30-34 ms by default)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0, fused=True)

@@ -14,7 +14,8 @@ from stages.grpo.logprobs import response_log_probs
 
 class Reference:
     def __init__(self, model_dir: Path, stage: GRPOStage):
-        self.model = fsdp2.load_sharded(model_dir, trainable=False, reshard_after_forward=stage.reshard_after_forward)
+        self.model = fsdp2.load_sharded(model_dir, trainable=False, reshard_after_forward=stage.reshard_after_forward,
+                                        units=stage.fsdp_units)
         self.micro_batch_size = stage.micro_batch_size
         self.share_prompts = not stage.reshard_after_forward  # see stages/grpo/logprobs.py
 

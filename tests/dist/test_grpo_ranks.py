@@ -1,7 +1,8 @@
 """GRPO on real ranks: one update on 2 ranks changes the weights as on 1 rank, given the same
 global rollout batch (fed fixed, since sampling is per rank), whether FSDP2 reshards after each
-forward or keeps the layers gathered, and whether the old log-probs are the actor's or the
-rollout's (verl's bypass mode: equal values, so the same update)."""
+forward or keeps the layers gathered, whether each layer or the whole model is an FSDP unit, and
+whether the old log-probs are the actor's or the rollout's (verl's bypass mode: equal values, so the
+same update)."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +55,14 @@ def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, one_rank, two_ranks,
 
 def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(model_dir, one_rank, two_ranks_bypass):
     assert_same_update(model_dir, one_rank, two_ranks_bypass)
+
+
+def test_the_whole_model_as_one_fsdp_unit_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+    """With the embedded default's settings: one unit, kept gathered (shared prompts, no resharding
+    between the backward's passes), the rollout's log-probs."""
+    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("one-unit"), 2, "fsdp_units=model",
+                         "reshard_after_forward=false", "old_log_probs=rollout")
+    assert_same_update(model_dir, one_rank, two_ranks)
 
 
 def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:

@@ -122,6 +122,9 @@ def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference(
         return {t.name: t.bytes for t in footprint.gpu}
 
     resharding, keeping = gpu_terms(True), gpu_terms(False)
+    one_unit = grpo_footprint(shape, GRPOStage(fsdp_units="model"), Layout(gpus=n, tp=1, zero=3), prompt_tokens=512,
+                              gpus_per_node=4, runtime_per_rank=0.0)
+    assert {t.name: t.bytes for t in one_unit.gpu}["actor_gathered"] == 2 * P_8B  # the whole model per pass
     assert keeping["reference_weights"] == 2 * P_8B == n * resharding["reference_weights"]
     assert keeping["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
     assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == \
