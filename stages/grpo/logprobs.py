@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import DynamicCache
 from verl.protocol import DataProto
@@ -37,7 +38,9 @@ def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micr
     t, temperature = batch.batch, batch.meta_info["temperature"]
     width = t["responses"].shape[1]
     prompts = SharedPrompts.forward(model, t) if share_prompts else None
-    groups = micro_batches(t["response_mask"].sum(dim=1), micro_batch_size or len(batch))
+    lengths = t["response_mask"].sum(dim=1)
+    groups = micro_batches(lengths, micro_batch_size or len(batch))
+    groups = split_to(groups, most_over_ranks(len(groups), lengths.device))
     pieces = [_forward(model, t, prompts, rows, width, temperature, with_entropy) for rows in groups]
     order = torch.cat(groups)
     restore = torch.empty_like(order)
@@ -59,6 +62,29 @@ def micro_batches(lengths: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
         if i == len(order) or i - start == max_rows or 2 * sorted_lengths[i] < sorted_lengths[start]:
             groups.append(order[start:i])
             start = i
+    return groups
+
+
+def most_over_ranks(count: int, device: torch.device) -> int:
+    """The largest `count` of any rank. Where FSDP2 gathers the layers in every forward
+    (reshard_after_forward), the ranks must make as many forwards as each other, or one waits
+    for an all-gather the others never start."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return count
+    most = torch.tensor([count], device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
+
+
+def split_to(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
+    """`groups` with the largest halved until there are `count` (less padding, more forwards)."""
+    groups = list(groups)
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[largest]) < 2:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, groups))} rows")
+        rows = groups.pop(largest)
+        groups[largest:largest] = [rows[:(len(rows) + 1) // 2], rows[(len(rows) + 1) // 2:]]
     return groups
 
 

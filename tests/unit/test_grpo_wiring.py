@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verl.protocol import DataProto
 
 from stages.grpo.balance import padded_to
-from stages.grpo.logprobs import micro_batches, response_log_probs
+from stages.grpo.logprobs import micro_batches, response_log_probs, split_to
 from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
 from stages.grpo.prompts import rank_share
 from stages.grpo.reward import RuleReward
@@ -280,3 +280,13 @@ def test_micro_batches_hold_at_most_max_rows_and_cut_where_responses_halve():
     assert [lengths[g].tolist() for g in groups] == [[53, 53, 53], [52, 27], [25], [10, 10, 9]]
     assert sorted(torch.cat(groups).tolist()) == list(range(len(lengths)))
     assert [len(g) for g in micro_batches(torch.full((7,), 4), max_rows=3)] == [3, 3, 1]
+
+
+def test_split_to_halves_the_largest_micro_batches_until_there_are_enough():
+    # A rank whose responses cut into fewer micro-batches than another's makes as many forwards.
+    groups = [torch.arange(0, 5), torch.arange(5, 7)]
+    split = split_to(groups, 4)
+    assert [g.tolist() for g in split] == [[0, 1], [2], [3, 4], [5, 6]]
+    assert split_to(groups, 2) == groups
+    with pytest.raises(ValueError, match="3 micro-batches of 2 rows"):
+        split_to([torch.tensor([0]), torch.tensor([1])], 3)
