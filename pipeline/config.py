@@ -212,9 +212,10 @@ class GRPOStage(Section):
     """Optimizer steps per pass: the rollout batch is split into this many mini-batches."""
     micro_batch_size: PositiveInt = 16
     """Most rows per forward on each rank in the log-prob and update passes. Rows are sorted by
-    response length first, a row less than half as long as the longest of its micro-batch starts
-    another, and each micro-batch is forwarded only up to its own longest response, so smaller
-    micro-batches forward less padding (and hold fewer activations) but make more forwards."""
+    response length first (with reshard_after_forward false, a row less than half as long as the
+    longest of its micro-batch starts another), and each micro-batch is forwarded only up to its own
+    longest response, so smaller micro-batches forward less padding (and hold fewer activations)
+    but make more forwards."""
     reshard_after_forward: bool = True
     """FSDP2's: free each gathered layer after its forward (and gather it again for the backward).
     False keeps the actor's layers gathered from a forward until its backward ends and the frozen

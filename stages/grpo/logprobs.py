@@ -34,12 +34,14 @@ def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micr
     """(log_probs [b, r], entropy [b, r] or None), in the batch's row order; positions past each
     micro-batch's longest response are 0. Logits are divided by the sampling temperature, so the
     log-probabilities are those of the distribution the rollout sampled from. The entropy carries no
-    gradient (it is a statistic). Without `share_prompts` every row is forwarded whole."""
+    gradient (it is a statistic). Without `share_prompts` (for models whose layers are gathered again
+    in every forward) every row is forwarded whole and micro-batches are cut by count only: each
+    more forward would cost one more all-gather of the model."""
     t, temperature = batch.batch, batch.meta_info["temperature"]
     width = t["responses"].shape[1]
     prompts = SharedPrompts.forward(model, t) if share_prompts else None
     lengths = t["response_mask"].sum(dim=1)
-    groups = micro_batches(lengths, micro_batch_size or len(batch))
+    groups = micro_batches(lengths, micro_batch_size or len(batch), cut_where_halved=share_prompts)
     groups = split_to(groups, most_over_ranks(len(groups), lengths.device))
     pieces = [_forward(model, t, prompts, rows, width, temperature, with_entropy) for rows in groups]
     order = torch.cat(groups)
@@ -49,17 +51,18 @@ def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micr
     return log_probs, torch.cat([e for _, e in pieces])[restore] if with_entropy else None
 
 
-def micro_batches(lengths: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool = True) -> list[torch.Tensor]:
     """The rows of each micro-batch, by response length, longest first: at most `max_rows` a
-    micro-batch, and a row less than half as long as its micro-batch's longest starts the next one
-    (with them, it would be mostly padding). GRPO's responses often fall into a short and a long
-    kind (an answer alone, or worked out first): cut by count alone, a micro-batch straddling the two
-    forwarded up to 5x its tokens (2 ranks of the default: ~1.3x over the whole batch)."""
+    micro-batch, and (`cut_where_halved`) a row less than half as long as its micro-batch's longest
+    starts the next one (with them, it would be mostly padding). GRPO's responses often fall into a
+    short and a long kind (an answer alone, or worked out first): cut by count alone, a micro-batch
+    straddling the two forwarded up to 5x its tokens (2 ranks of the default: ~1.3x over the batch)."""
     order = torch.argsort(lengths, descending=True, stable=True)
     sorted_lengths = lengths[order].tolist()
     groups, start = [], 0
     for i in range(1, len(order) + 1):
-        if i == len(order) or i - start == max_rows or 2 * sorted_lengths[i] < sorted_lengths[start]:
+        if (i == len(order) or i - start == max_rows
+                or cut_where_halved and 2 * sorted_lengths[i] < sorted_lengths[start]):
             groups.append(order[start:i])
             start = i
     return groups

@@ -280,6 +280,8 @@ def test_micro_batches_hold_at_most_max_rows_and_cut_where_responses_halve():
     assert [lengths[g].tolist() for g in groups] == [[53, 53, 53], [52, 27], [25], [10, 10, 9]]
     assert sorted(torch.cat(groups).tolist()) == list(range(len(lengths)))
     assert [len(g) for g in micro_batches(torch.full((7,), 4), max_rows=3)] == [3, 3, 1]
+    by_count = micro_batches(lengths, max_rows=3, cut_where_halved=False)
+    assert [lengths[g].tolist() for g in by_count] == [[53, 53, 53], [52, 27, 25], [10, 10, 9]]
 
 
 def test_split_to_halves_the_largest_micro_batches_until_there_are_enough():
