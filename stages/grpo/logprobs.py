@@ -69,9 +69,10 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool =
 
 
 def most_over_ranks(count: int, device: torch.device) -> int:
-    """The largest `count` of any rank. Where FSDP2 gathers the layers in every forward
-    (reshard_after_forward), the ranks must make as many forwards as each other, or one waits
-    for an all-gather the others never start."""
+    """The largest `count` of any rank, so that every rank makes as many forwards: a collective that
+    one rank makes per forward and another does not leaves the others waiting for it. Cut by count
+    (reshard_after_forward, where each forward all-gathers) the ranks' counts are equal, as every
+    rank holds as many rows; they differ where micro-batches are also cut where lengths halve."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count
     most = torch.tensor([count], device=device)
