@@ -192,20 +192,20 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
 
 
-def next_tokens(logits: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, temperature: float,
+def next_tokens(scores: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, sample: bool,
                 top_p: float) -> torch.Tensor:
-    """The next token of every row of the batch [batch], from the logits of the rows still decoding
-    [len(rows), vocab]; the others get pad_id. Sampling draws for the whole batch, as `generate`
-    does (one multinomial draw consumes the RNG by the batch's size, not by the values), so leaving
-    ended rows out of the forward does not change what the others draw."""
-    tokens = torch.full((batch,), pad_id, dtype=torch.long, device=logits.device)
-    if temperature == 0:
-        tokens[rows] = logits.argmax(dim=-1)
+    """The next token of every row of the batch [batch], from the tempered logits of the rows still
+    decoding [len(rows), vocab] (the raw logits when greedy); the others get pad_id. Sampling draws
+    for the whole batch, as `generate` does (one multinomial draw consumes the RNG by the batch's
+    size, not by the values), so leaving ended rows out of the forward does not change what the
+    others draw."""
+    tokens = torch.full((batch,), pad_id, dtype=torch.long, device=scores.device)
+    if not sample:
+        tokens[rows] = scores.argmax(dim=-1)
         return tokens
-    scores = logits / temperature
     if top_p < 1.0:
         scores = top_p_filter(scores, top_p)
-    probs = torch.zeros(batch, logits.shape[1], dtype=logits.dtype, device=logits.device)
+    probs = torch.zeros(batch, scores.shape[1], dtype=scores.dtype, device=scores.device)
     probs[:, pad_id] = 1.0
     probs[rows] = scores.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -224,13 +224,12 @@ class TokenScores:
         self.log_probs = torch.zeros(batch, max_new_tokens, device=device)
         self.entropy = torch.zeros(batch, max_new_tokens, device=device)
 
-    def record(self, logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
-        """Step t: the logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
+    def record(self, tempered: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
+        """Step t: the tempered logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
         # verl's functions, as the actor's and the reference's log-prob passes use (stages/grpo/logprobs.py),
         # but its log_softmax + gather over all rows at once: without flash-attn, `logprobs_from_logits`
         # bounds the memory of [rows, length, vocab] logits by looping over the rows, which [rows, vocab]
         # does not need (one logsumexp per row and step was ~0.1 s of a 0.45 s rollout)
-        tempered = logits / self.temperature
         self.log_probs[rows, t] = logprobs_from_logits_naive(tempered, tokens[rows])
         self.entropy[rows, t] = entropy_from_logits(tempered)
 
@@ -255,6 +254,8 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
     padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
     being decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
     `scores`, if given, receives each drawn token's log-probability and entropy."""
+    if scores is not None and scores.temperature != temperature:
+        raise ValueError(f"scores are of temperature {scores.temperature}, the sampling's is {temperature}")
     batch, device = input_ids.shape[0], input_ids.device
     decoder, hidden = prefilled(model, input_ids, attention, max_new_tokens)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -262,7 +263,9 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
     rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
     for t in range(max_new_tokens):
         logits = decoder.logits(hidden)
-        token = next_tokens(logits, rows, batch, pad_id, temperature, top_p)
+        if temperature > 0:  # once, for both the draw and `scores`
+            logits = logits / temperature
+        token = next_tokens(logits, rows, batch, pad_id, temperature > 0, top_p)
         if scores is not None:
             scores.record(logits, rows, token, t)
         out[:, t] = token.masked_fill_(finished, pad_id)

@@ -246,3 +246,10 @@ def test_recorded_log_probs_and_entropy_are_the_forward_pass_values_of_each_fini
 def test_recording_log_probs_of_greedy_decoding_is_refused():
     with pytest.raises(ValueError, match="temperature > 0"):
         TokenScores(2, 4, 0.0, torch.device("cpu"))
+
+
+def test_scores_of_another_temperature_than_the_sampling_are_refused():
+    model = random_llama(seed=2)
+    input_ids, attention = left_padded(ragged_prompts(2, seed=7), PAD)
+    with pytest.raises(ValueError, match="temperature 0.7, the sampling's is 1.0"):
+        decode(model, input_ids, attention, 4, 2, PAD, 1.0, 1.0, TokenScores(2, 4, 0.7, torch.device("cpu")))
