@@ -30,19 +30,25 @@ def test_only_live_nodes_with_enough_gpus_count():
 def ray_head():
     """`ray start --head --block` with every port explicit, as the sbatch template starts it (no GPUs
     here), on ports free on this machine."""
-    port = free_port()
-    ports = {flag: free_port() for flag in ("node-manager-port", "object-manager-port", "ray-client-server-port",
-                                            "dashboard-port", "dashboard-agent-listen-port",
-                                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                                            "metrics-export-port")}
-    worker = free_port()
+    first = free_port()
+    workers = range(first, first + 21)
+
+    def port_outside_workers() -> int:  # Ray refuses a component port inside the worker range
+        while (port := free_port()) in workers:
+            pass
+        return port
+    port = port_outside_workers()
+    ports = {flag: port_outside_workers() for flag in ("node-manager-port", "object-manager-port",
+                                                       "ray-client-server-port", "dashboard-port",
+                                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                       "runtime-env-agent-port", "metrics-export-port")}
     # Ray's unix sockets live under the temp dir, whose path must stay under ~100 characters.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     log = open(temp_dir / "head.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
                              "--node-ip-address=127.0.0.1", "--num-cpus=1", "--num-gpus=0", "--include-dashboard=false",
                              *(f"--{flag}={value}" for flag, value in ports.items()),
-                             f"--min-worker-port={worker}", f"--max-worker-port={worker + 20}",
+                             f"--min-worker-port={workers[0]}", f"--max-worker-port={workers[-1]}",
                              f"--temp-dir={temp_dir}", "--block"], start_new_session=True,
                             stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"

@@ -13,7 +13,6 @@ keeps are alive for the rest of the measurement, so the peak cannot slip between
 test sets MALLOC_MMAP_THRESHOLD_ so that freed tensors go back to the kernel at once and one
 measurement does not inherit the heap of the one before."""
 import gc
-import json
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron
 from stages.models.hf_files import HFCheckpoint
 from stages.models.megatron_llama import build_megatron_llama
+from tests.dist.workers.results import print_result
 
 
 def status_bytes(field: str) -> int:
@@ -75,7 +75,7 @@ class PeakGrowth:
 
 
 def report(check: str, **values) -> None:
-    print("RESULT " + json.dumps({"rank": dist.get_rank(), "check": check, **values}), flush=True)
+    print_result({"rank": dist.get_rank(), "check": check, **values})
 
 
 def build(config):

@@ -2,7 +2,6 @@
 and compares with transformers' own from_pretrained of the whole model: the gathered weights bit for
 bit, the logits, and which rows the rank read. Rank 0 prints every rank's findings as
 `RESULT {json}` lines. argv: OUT_DIR"""
-import json
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2
+from tests.dist.workers.results import print_result
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
 BASE = dict(vocab_size=37, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,7 +69,7 @@ def main(out_dir: str) -> None:
     dist.gather_object(findings, everyone, dst=0)
     for rank, found in enumerate(everyone or []):
         for finding in found:
-            print("RESULT " + json.dumps({**finding, "rank": rank}), flush=True)
+            print_result({**finding, "rank": rank})
     shutdown_distributed()
 
 

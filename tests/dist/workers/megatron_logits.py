@@ -3,7 +3,6 @@ Face's on the same weights (computed here, on every rank; the megatron model str
 from a sharded HF directory), the gathered shards converted back to the HF weights, the streamed
 export read back, and the RNG tracker's streams. Rank 0 prints every rank's findings as
 `RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
+from tests.dist.workers.results import print_result
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
@@ -37,7 +37,7 @@ def print_findings_on_rank0() -> None:
     everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(FINDINGS, everyone, dst=0)
     for finding in sum(everyone or [], []):
-        print("RESULT " + json.dumps(finding), flush=True)
+        print_result(finding)
 
 
 def make_batch():
