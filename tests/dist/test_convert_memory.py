@@ -7,8 +7,6 @@ loader can fail. The same holds for the GRPO roles' FSDP2 load of a bf16 checkpo
 How memory is measured, and why anonymous memory: the worker's docstring."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,6 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from stages.models.hf_files import HFCheckpoint
 from tests.conftest import REPO, run_torchrun
+from tests.dist.workers.results import read_results
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 WORKER = REPO / "tests" / "dist" / "workers" / "convert_memory.py"
@@ -45,10 +44,8 @@ def results(hf_dir) -> dict:
     out = run_torchrun(WORKER, 2, str(hf_dir / "hf"), str(hf_dir), str(hf_dir / "hf-bf16"),
                        env={"MALLOC_MMAP_THRESHOLD_": "131072"}).stdout
     found = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            item = json.loads(line.removeprefix("RESULT "))
-            found[item.pop("check"), item.pop("tp"), item.pop("rank")] = item
+    for item in read_results(out):
+        found[item.pop("check"), item.pop("tp"), item.pop("rank")] = item
     print(f"model {model_bytes(hf_dir) / MB:.0f} MB:",  # the figures, seen with pytest -s
           {" ".join(map(str, k)): {n: round(v / MB) if n != "seconds" else round(v, 1) for n, v in r.items()} for k, r in found.items()})
     return found

@@ -3,12 +3,11 @@ exactly the weights and logits of transformers' own load of the whole model: une
 files split over several safetensors with an index, a tied head, Llama-3 RoPE scaling."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.conftest import REPO, run_torchrun
 from tests.dist.workers.fsdp2_load import BASE, VARIANTS
+from tests.dist.workers.results import read_results
 
 pytestmark = pytest.mark.dist
 WORKER = REPO / "tests" / "dist" / "workers" / "fsdp2_load.py"
@@ -19,10 +18,8 @@ def findings(tmp_path_factory) -> dict:
     """{(variant, check): [value on rank 0, value on rank 1]}."""
     out = run_torchrun(WORKER, 2, str(tmp_path_factory.mktemp("fsdp2"))).stdout
     found: dict = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            item = json.loads(line.removeprefix("RESULT "))
-            found.setdefault((item["variant"], item["check"]), []).append(item["value"])
+    for item in read_results(out):
+        found.setdefault((item["variant"], item["check"]), []).append(item["value"])
     return found
 
 

@@ -5,11 +5,10 @@ tracker's streams really switch. One torchrun launch checks both layouts (start-
 mostly imports, is most of the time)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.conftest import REPO, run_torchrun
+from tests.dist.workers.results import read_results
 
 pytestmark = pytest.mark.dist
 WORKER = REPO / "tests" / "dist" / "workers" / "megatron_logits.py"
@@ -21,10 +20,8 @@ def results(tmp_path_factory) -> dict:
     """{(layout, check): [value reported by each rank that holds it]}."""
     out = run_torchrun(WORKER, 2, str(tmp_path_factory.mktemp("megatron"))).stdout
     found = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            item = json.loads(line.removeprefix("RESULT "))
-            found.setdefault((item["layout"], item["check"]), []).append(item["value"])
+    for item in read_results(out):
+        found.setdefault((item["layout"], item["check"]), []).append(item["value"])
     return found
 
 
