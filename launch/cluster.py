@@ -46,10 +46,25 @@ class RayPorts(Section):
     """Seconds to wait for every node to join with its GPUs before the job fails."""
 
     @model_validator(mode="after")
-    def _worker_range(self):
-        if self.min_worker_port > self.max_worker_port:
-            raise ValueError(f"min_worker_port {self.min_worker_port} is above max_worker_port {self.max_worker_port}")
+    def _ports_apart(self):
+        """Ray refuses to start on a port taken twice or a component port inside the worker range:
+        on the cluster, after the job has waited in the queue. Said here, when the profile is read."""
+        low, high = self.min_worker_port, self.max_worker_port
+        if low > high:
+            raise ValueError(f"min_worker_port {low} is above max_worker_port {high}")
+        seen: dict[int, str] = {}
+        for field, port in self.component_ports().items():
+            if low <= port <= high:
+                raise ValueError(f"{field} {port} is inside the worker port range {low}-{high}")
+            if port in seen:
+                raise ValueError(f"{field} and {seen[port]} are both {port}")
+            seen[port] = field
         return self
+
+    def component_ports(self) -> dict[str, int]:
+        """Every fixed port, by field name: all but the worker range's bounds."""
+        return {field: port for field, port in self.model_dump().items()
+                if field.endswith("_port") and field not in ("min_worker_port", "max_worker_port")}
 
 
 class ClusterProfile(Section):

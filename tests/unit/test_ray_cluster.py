@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from launch.cluster import RayPorts
+from launch.cluster import RayPorts, load_profile
 from launch.local import free_port
 from launch.ray_cluster import gpu_nodes, wait_for_nodes
+from pipeline.config import ConfigError
 
 
 def test_only_live_nodes_with_enough_gpus_count():
@@ -74,5 +76,16 @@ def test_readiness_sees_the_head_and_times_out_naming_missing_nodes(ray_head):
 
 
 def test_ray_ports_default_to_distinct_values():
-    ports = [v for k, v in RayPorts().model_dump().items() if k.endswith("_port") and "worker" not in k]
-    assert len(set(ports)) == len(ports)
+    ports = list(RayPorts().component_ports().values())
+    assert len(ports) == 9 and len(set(ports)) == len(ports)
+
+
+@pytest.mark.parametrize("ports, message", [
+    ({"object_manager_port": 10500}, "object_manager_port 10500 is inside the worker port range 10002-10999"),
+    ({"metrics_export_port": 6380}, "metrics_export_port and node_manager_port are both 6380"),
+    ({"min_worker_port": 20000, "max_worker_port": 19000}, "min_worker_port 20000 is above max_worker_port 19000")])
+def test_a_profile_with_clashing_ray_ports_is_refused_naming_them(tmp_path, ports, message):
+    profile = tmp_path / "site.yaml"
+    profile.write_text(yaml.safe_dump({"name": "site", "ray": ports}))
+    with pytest.raises(ConfigError, match=f"site.yaml:ray: .*{message}"):
+        load_profile(str(profile))
