@@ -143,6 +143,11 @@ def compare(runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[
         print(f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {medians[unit][0]:.1f})  "
               f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {medians[unit][1]:.1f})  "
               f"ratio {medians[unit][0] / medians[unit][1]:.2f}")
+    # A pair ran back to back, so its ratio is untouched by the machine's drift between pairs (on a
+    # shared VM both sides' speed can move by 10-20% over minutes): the spread says how far to trust
+    # the headline, a ratio of medians taken at different times.
+    pairs = [throughput(o, warmup, headline) / throughput(p, warmup, headline) for o, p in runs]
+    print(f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{r:.2f}' for r in pairs)}")
     ours, peer = medians[headline]
     print(f"ours / TRL, {headline} per second (median of {len(runs)}): {ours / peer:.2f}")
 
