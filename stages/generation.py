@@ -143,13 +143,17 @@ class Decoder:
         bias = self.key_bias[:, None, :length].repeat_interleave(nkv, dim=0)  # [b * kv_heads, 1, length]
 
         def attend(q, keys, values):
-            grouped = q.reshape(b * nkv, -1, self.head_dim) * self.head_dim ** -0.5
-            scores = torch.bmm(grouped, keys.flatten(0, 1)).add_(bias)
+            # scaled first: the product is contiguous, so the grouping is a view, not a copy
+            grouped = (q * self.head_dim ** -0.5).view(b * nkv, -1, self.head_dim)
+            scores = torch.baddbmm(bias, grouped, keys.flatten(0, 1))
             return torch.bmm(scores.softmax(dim=-1), values.flatten(0, 1)).reshape(b, 1, -1)
         return self.forward(token[:, None], self.prompt_len + t, attend)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Llama's RMSNorm: normalised in fp32, scaled in the model's dtype."""
+        """Llama's RMSNorm: normalised in fp32, scaled in the model's dtype (for an fp32 model, one
+        call: the same products as HF's, without the no-op casts and a separate multiply)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.hidden,), weight, self.eps)
         return weight * F.rms_norm(x.float(), (self.hidden,), eps=self.eps).to(x.dtype)
 
     def forward(self, tokens: torch.Tensor, start: int, attend) -> torch.Tensor:

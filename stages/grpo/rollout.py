@@ -44,7 +44,8 @@ class Rollout:
         `with_log_probs`, the batch also holds each response token's `rollout_log_probs` and the
         `entropy` of the distribution it was drawn from."""
         torch.manual_seed(seed)
-        prompt_ids = [encode_prompt(self.tokenizer, ex.prompt) for ex in prompts for _ in range(self.group_size)]
+        encoded = [encode_prompt(self.tokenizer, ex.prompt) for ex in prompts]  # once a prompt, not once a row
+        prompt_ids = [ids for ids in encoded for _ in range(self.group_size)]
         scores = (TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, local_device())
                   if self.with_log_probs else None)
         prompt, prompt_mask, responses = generate_tokens(self.model, self.tokenizer, prompt_ids, self.max_new_tokens,
