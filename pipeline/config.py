@@ -259,6 +259,12 @@ class GRPOStage(Section):
     def upstream(self) -> list[str]:
         return [self.init_from] if self.init_from != "base" else []
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether the log-prob passes forward each distinct prompt once for its group: only where
+        the layers stay gathered (see reshard_after_forward and stages/grpo/logprobs.py)."""
+        return not self.reshard_after_forward
+
 
 class SynthStage(Section):
     init_from: str = "stage2_grpo"

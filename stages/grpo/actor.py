@@ -31,8 +31,7 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0, fused=True)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
         self.recomputes_old_log_probs = stage.old_log_probs == "actor"
-        self.share_prompts = not stage.reshard_after_forward  # see stages/grpo/logprobs.py
-        if self.share_prompts:
+        if stage.shares_prompts:
             # A backward over shared prompts differentiates each layer twice (the responses' forward,
             # then the prompts'); kept gathered after the first, the layer needs no second all-gather.
             # The update reshards by hand once the backward is done.
@@ -48,7 +47,7 @@ class Actor:
         if first < len(batch):
             out["old_log_probs"][first:], out["entropy"][first:] = response_log_probs(
                 self.model, batch[first:], with_entropy=True, micro_batch_size=self.stage.micro_batch_size,
-                share_prompts=self.share_prompts)
+                share_prompts=self.stage.shares_prompts)
         return DataProto.from_dict(tensors=out)
 
     def update(self, batch: DataProto, iteration: int) -> dict[str, float]:
@@ -65,14 +64,14 @@ class Actor:
                 on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
                 log_prob, entropy = response_log_probs(self.model, mini, with_entropy=on_policy,
                                                        micro_batch_size=self.stage.micro_batch_size,
-                                                       share_prompts=self.share_prompts)
+                                                       share_prompts=self.stage.shares_prompts)
                 if on_policy:  # written into the batch (mini is a view of it) for the later epochs
                     mini.batch["old_log_probs"].copy_(log_prob.detach())
                     mini.batch["entropy"].copy_(entropy)
                 loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
                                          int(global_tokens.clamp(min=1)), world)
                 loss.backward()
-                if self.share_prompts:  # before the step: it updates the shards, which the next forward gathers
+                if self.stage.shares_prompts:  # before the step: it updates the shards, which the next forward gathers
                     fsdp2.reshard(self.model)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.stage.grad_clip)
                 self.optimizer.step()

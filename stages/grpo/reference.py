@@ -16,11 +16,10 @@ class Reference:
     def __init__(self, model_dir: Path, stage: GRPOStage):
         self.model = fsdp2.load_sharded(model_dir, trainable=False, reshard_after_forward=stage.reshard_after_forward,
                                         units=stage.fsdp_units)
-        self.micro_batch_size = stage.micro_batch_size
-        self.share_prompts = not stage.reshard_after_forward  # see stages/grpo/logprobs.py
+        self.stage = stage
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        log_probs, _ = response_log_probs(self.model, batch, micro_batch_size=self.micro_batch_size,
-                                          share_prompts=self.share_prompts)
+        log_probs, _ = response_log_probs(self.model, batch, micro_batch_size=self.stage.micro_batch_size,
+                                          share_prompts=self.stage.shares_prompts)
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})
