@@ -135,21 +135,22 @@ def compare(runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[
             setup: str) -> None:
     """Per repetition and median figures of both sides; the ratio of the headline unit last."""
     print(setup)
-    medians = {}
+    rates = {}
     for unit in units:
         ours = [throughput(o, warmup, unit) for o, _ in runs]
         peer = [throughput(p, warmup, unit) for _, p in runs]
-        medians[unit] = statistics.median(ours), statistics.median(peer)
-        print(f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {medians[unit][0]:.1f})  "
-              f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {medians[unit][1]:.1f})  "
-              f"ratio {medians[unit][0] / medians[unit][1]:.2f}")
+        rates[unit] = ours, peer
+        ours_median, peer_median = statistics.median(ours), statistics.median(peer)
+        print(f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {ours_median:.1f})  "
+              f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {peer_median:.1f})  "
+              f"ratio {ours_median / peer_median:.2f}")
     # A pair ran back to back, so its ratio is untouched by the machine's drift between pairs (on a
     # shared VM both sides' speed can move by 10-20% over minutes): the spread says how far to trust
     # the headline, a ratio of medians taken at different times.
-    pairs = [throughput(o, warmup, headline) / throughput(p, warmup, headline) for o, p in runs]
-    print(f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{r:.2f}' for r in pairs)}")
-    ours, peer = medians[headline]
-    print(f"ours / TRL, {headline} per second (median of {len(runs)}): {ours / peer:.2f}")
+    ours, peer = rates[headline]
+    print(f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{o / p:.2f}' for o, p in zip(ours, peer))}")
+    print(f"ours / TRL, {headline} per second (median of {len(runs)}): "
+          f"{statistics.median(ours) / statistics.median(peer):.2f}")
 
 
 def interleaved(reps: int, ours, peer) -> list[tuple[list[Step], list[Step]]]:
