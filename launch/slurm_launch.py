@@ -48,7 +48,7 @@ def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, .
 
 
 def requeue_self() -> None:
-    """Put this job back in the queue to start again at once (Slurm would hold it ~2 min otherwise)."""
-    job = os.environ["SLURM_JOB_ID"]
-    subprocess.run(["scontrol", "requeue", job], check=True)
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=False)
+    """Put this job back in the queue. Slurm lets it start again AuthInfo's cred_expire + 1 s after it
+    ends (121 s by default). That hold cannot be lifted from inside the job: a `StartTime=now` sent
+    now is overwritten when the requeue completes, after this process has exited."""
+    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Starts a single-node Slurm on this machine without systemd: munged, slurmctld and slurmd with a
 # config, state and logs under $HPCR1_SLURM_DIR (default /var/tmp/hpcr1-slurm). Idempotent: what is
-# already running is left alone. Prints the SLURM_CONF clients must use; waits (bounded) until the
-# node is idle instead of sleeping.
+# already running is left alone, unless the config changed: then slurmctld and slurmd restart.
+# Prints the SLURM_CONF clients must use; waits (bounded) until the node is idle instead of sleeping.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dir=${HPCR1_SLURM_DIR:-/var/tmp/hpcr1-slurm}
@@ -10,19 +10,6 @@ dir=${HPCR1_SLURM_DIR:-/var/tmp/hpcr1-slurm}
 mkdir -p "$dir"/{etc,state,spool,log,run}
 conf=$dir/etc/slurm.conf
 export SLURM_CONF=$conf
-
-# munge: a key if there is none, then the daemon unless one already answers.
-if [ ! -s /etc/munge/munge.key ]; then
-  mkdir -p /etc/munge
-  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-fi
-mkdir -p /run/munge && chown munge:munge /run/munge
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  mkdir -p "$dir/munge" && chown munge:munge "$dir/munge"
-  runuser -u munge -- /usr/sbin/munged --pid-file="$dir/munge/munged.pid"
-  touch "$dir/run/munged.ours"
-fi
 
 node=$(hostname -s)
 cpus=$(nproc)
@@ -42,6 +29,8 @@ SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldPort=${HPCR1_SLURMCTLD_PORT:-6817}
 SlurmdPort=${HPCR1_SLURMD_PORT:-6818}
 AuthType=auth/munge
+# A requeued job may start again cred_expire + 1 s after it ends: 121 s by default.
+AuthInfo=cred_expire=30
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -54,13 +43,33 @@ JobAcctGatherType=jobacct_gather/none
 DependencyParameters=kill_invalid_depend
 MinJobAge=3600
 ReturnToService=2
-SchedulerParameters=defer=false
+# The main loop also runs on every submit and job end; every 5 s (not 60) so a requeued job waits no longer.
+SchedulerParameters=defer=false,sched_interval=5
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
-if ! cmp -s "$conf.new" "$conf"; then mv "$conf.new" "$conf"; else rm "$conf.new"; fi
-
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+if ! cmp -s "$conf.new" "$conf"; then
+  # Daemons started under an older config would keep it (AuthInfo is read only at start).
+  if alive "$dir/run/slurmctld.pid" || alive "$dir/run/slurmd.pid"; then "$here/stop.sh"; fi
+  mv "$conf.new" "$conf"
+else
+  rm "$conf.new"
+fi
+
+# munge: a key if there is none, then the daemon unless one already answers.
+if [ ! -s /etc/munge/munge.key ]; then
+  mkdir -p /etc/munge
+  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+fi
+mkdir -p /run/munge && chown munge:munge /run/munge
+if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+  mkdir -p "$dir/munge" && chown munge:munge "$dir/munge"
+  runuser -u munge -- /usr/sbin/munged --pid-file="$dir/munge/munged.pid"
+  touch "$dir/run/munged.ours"
+fi
+
 alive "$dir/run/slurmctld.pid" || slurmctld -f "$conf"
 alive "$dir/run/slurmd.pid" || slurmd -f "$conf"
 
