@@ -69,10 +69,13 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool =
 
 
 def most_over_ranks(count: int, device: torch.device) -> int:
-    """The largest `count` of any rank, so that every rank makes as many forwards: a collective that
-    one rank makes per forward and another does not leaves the others waiting for it. Cut by count
-    (reshard_after_forward, where each forward all-gathers) the ranks' counts are equal, as every
-    rank holds as many rows; they differ where micro-batches are also cut where lengths halve."""
+    """The largest `count` of any rank, so that every rank makes as many forwards. Where FSDP2
+    reshards after every forward, each forward all-gathers: a rank with one forward fewer leaves the
+    others waiting in an all-gather for good (seen: one more forward forced on rank 1 hung). There
+    micro-batches are cut by count and every rank holds as many rows, so the counts agree anyway;
+    this makes sure. With the layers kept gathered they differ where lengths halve (1 pass in 120
+    on the default) and would be harmless: one reduce-scatter a backward whatever the forwards
+    (checked: the same update with one more forward on rank 1)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count
     most = torch.tensor([count], device=device)
