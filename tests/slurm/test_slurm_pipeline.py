@@ -141,7 +141,9 @@ def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
     metrics = run / "stage1_sft" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "training to start")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
-    # Slurm holds the requeued job for cred_expire + 1 s (31 s on the local cluster).
+    # Slurm holds the requeued job for cred_expire + 1 s (31 s on the local cluster), and status says so.
+    wait_for(lambda: "PENDING (BeginTime)" in hpcr1(slurm_env, "status", str(run)).stdout,
+             "status to show the requeued job's hold", timeout=120, explain=lambda: job_story(slurm_env, run, "stage1_sft"))
     wait_for(lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"), "the requeued job to end",
              timeout=600, explain=lambda: job_story(slurm_env, run, "stage1_sft"))
     entry = manifest(run)["stage1_sft"]
