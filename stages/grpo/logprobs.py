@@ -24,9 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import DynamicCache
 from verl.protocol import DataProto
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+from verl.utils.torch_functional import entropy_from_logits
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
+# Logits one logsumexp call reduces at most. Without flash-attn, verl's `logprobs_from_logits` bounds
+# the memory of the reduction by calling it once a row (a call and its backward per row and pass);
+# chunks of this size bound it as well in far fewer calls: a micro-batch of the default is one.
+LOGSUMEXP_CHUNK_BYTES = 256 << 20
 
 
 def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micro_batch_size: int | None = None,
@@ -137,11 +141,19 @@ def _forward(model, t, prompts: SharedPrompts | None, rows: torch.Tensor, width:
     else:
         logits = prompts.response_logits(model, t, rows, length)
     logits = logits.float() / temperature
-    log_probs = F.pad(logprobs_from_logits(logits, t["responses"][rows, :length]), (0, width - length))
+    log_probs = F.pad(token_log_probs(logits, t["responses"][rows, :length]), (0, width - length))
     if not with_entropy:
         return log_probs, None
     with torch.no_grad():
         return log_probs, F.pad(entropy_from_logits(logits.detach()), (0, width - length))
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[tokens] for fp32 logits [rows, length, vocab]: verl's identity, the token's
+    logit less the logsumexp, with the logsumexp over chunks of rows of at most LOGSUMEXP_CHUNK_BYTES."""
+    rows_a_chunk = max(1, LOGSUMEXP_CHUNK_BYTES // (logits[0].numel() * logits.element_size()))
+    logsumexp = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in logits.split(rows_a_chunk)])
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logsumexp
 
 
 def _whole_rows_logits(model, t, rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from verl.protocol import DataProto
 
 from stages.grpo.balance import padded_to
-from stages.grpo.logprobs import micro_batches, response_log_probs, split_to
+from stages.grpo import logprobs
+from stages.grpo.logprobs import micro_batches, response_log_probs, split_to, token_log_probs
 from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
 from stages.grpo.prompts import rank_share
 from stages.grpo.reward import RuleReward
@@ -135,6 +136,23 @@ def test_batched_log_probs_equal_unpadded_single_sequence_log_probs():
             logits = model(torch.tensor([p + a])).logits[0].log_softmax(-1)
             alone = [logits[len(p) - 1 + i, tok].item() for i, tok in enumerate(a)]
             assert batched[row, :len(a)].tolist() == pytest.approx(alone, abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 5])
+def test_token_log_probs_in_chunks_equal_log_softmax_and_its_gradient(monkeypatch, chunk_rows):
+    """Values and gradients of the chunked logsumexp are log_softmax's, whether the rows fit one chunk
+    (5 rows), split evenly (1 a chunk) or leave a remainder (2, 2, 1)."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(5, 7, 11)).requires_grad_()
+    tokens = torch.randint(0, 11, (5, 7))
+    monkeypatch.setattr(logprobs, "LOGSUMEXP_CHUNK_BYTES", chunk_rows * 7 * 11 * 4)
+    weights = torch.rand(5, 7)
+    ours = token_log_probs(logits, tokens)
+    (ours_grad,) = torch.autograd.grad((ours * weights).sum(), logits)
+    reference = logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+    (reference_grad,) = torch.autograd.grad((reference * weights).sum(), logits)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours_grad, reference_grad, rtol=0, atol=1e-6)
 
 
 def test_reward_sits_on_the_last_response_token():
