@@ -3,7 +3,9 @@ stage driver to every rank) before a time limit; each rank only sets a flag, and
 ranks stop after the same step, checkpoint together and exit with PREEMPTED_EXIT."""
 from __future__ import annotations
 
+import os
 import signal
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,3 +31,18 @@ def stop_requested() -> bool:
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def leave_for_requeue() -> NoReturn:
+    """Leave with PREEMPTED_EXIT, the checkpoint sealed on every rank. Under `srun --kill-on-bad-exit`
+    the first rank out (75 is a bad exit to srun) gets the others a SIGTERM while they still tear
+    down, and srun reports the highest code, 143: the driver took a stage stopped for its requeue
+    for a failed one (seen in CI). So the ranks leave right after shutdown's barrier, without the
+    interpreter's finalisation (launch/worker.py), and a TERM before that means the step is over:
+    the rank leaves with the same code, and srun reports 75."""
+    signal.signal(signal.SIGTERM, _exit_preempted)
+    raise SystemExit(PREEMPTED_EXIT)
+
+
+def _exit_preempted(signum, frame) -> None:
+    os._exit(PREEMPTED_EXIT)

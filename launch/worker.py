@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
     from launch.comm_profiler import CommProfiler
     from launch.dist import discover_ranks, init_distributed, shutdown_distributed
-    from launch.preemption import install_handlers
+    from launch.preemption import PREEMPTED_EXIT, install_handlers
     from launch.rank_failure import record_exception
     from pipeline.config import RunConfig
     from pipeline.manifest import Manifest
@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     attempt = Manifest(run.root).stage(stage_id)["attempts"]
     profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank, attempt) if cfg.profile.comm else None
     ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal, profiler=profiler)
+    preempted = False
     try:
         with profiler or contextlib.nullcontext():
             stage_runner(ctx)(ctx)
@@ -69,10 +70,23 @@ def main(argv: list[str] | None = None) -> None:
         record_exception(run.logs(stage_id), info.rank, e)
         # Leave now: the other ranks wait in a collective until this process is gone, and an orderly
         # exit (collecting torch/megatron/DeepSpeed's garbage) takes 5-20 s on a busy 2-core machine.
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(1)
+        leave_now(1)
+    except SystemExit as e:
+        if e.code != PREEMPTED_EXIT:
+            raise
+        preempted = True
     finally:
         shutdown_distributed()
+    if preempted:
+        # Every rank is past shutdown's barrier, the checkpoint sealed: leave together, not after
+        # finalisations seconds apart, which also resets the TERM handler that leave_for_requeue set.
+        leave_now(PREEMPTED_EXIT)
+
+
+def leave_now(code: int) -> None:
+    """Exit without the interpreter's finalisation."""
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def stage_runner(ctx):

@@ -9,7 +9,7 @@ import shutil
 import torch.distributed as dist
 
 from launch.phases import phase
-from launch.preemption import PREEMPTED_EXIT, stop_requested
+from launch.preemption import leave_for_requeue, stop_requested
 from pipeline.atomic import atomic_write_text
 from stages.checkpoint import CheckpointDir
 from stages.context import StageContext
@@ -33,7 +33,7 @@ def checkpoint_boundary(ctx: StageContext, engine, ckpts: CheckpointDir, step: i
     elif stop_requested():
         save_checkpoint(engine, ckpts, step)
         ctx.log.info("stopping at step %d on request; the next attempt resumes here", step)
-        raise SystemExit(PREEMPTED_EXIT)
+        leave_for_requeue()
 
 
 def finish(ctx: StageContext, engine, init_dir) -> None:

@@ -1,5 +1,6 @@
 """The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, USR1
-checkpoint-and-requeue, and a failed stage ending its dependants — with `hpcr1 status` saying so."""
+checkpoint-and-requeue (and the exit code srun reports for ranks leaving for it), and a failed stage
+ending its dependants — with `hpcr1 status` saying so."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launch.slurm_launch import srun_command
 from tests.conftest import REPO, SMALL_RUN, hpcr1_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -154,6 +156,25 @@ def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
                if "stopping at step" in line]
     resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
     assert stopped and resumed == stopped, (stopped, resumed)
+
+
+def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with_75(slurm_env, tmp_path):
+    """Rank 1 leaves at once, rank 0 tears down for 60 s: srun (with the stage launcher's options)
+    TERMs rank 0 when rank 1's 75 comes, and must still report 75, not 143 (which fails the stage)."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, time\nfrom launch.preemption import leave_for_requeue\n"
+                    "try:\n    leave_for_requeue()\nfinally:\n"
+                    "    if os.environ['SLURM_PROCID'] == '0':\n        time.sleep(60)\n")
+    launcher = srun_command(tmp_path, "stage1_sft", "srun")
+    srun = launcher[:launcher.index(sys.executable)]
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\n{' '.join(srun)} {sys.executable} {rank}\necho \"srun exit $?\"\n")
+    out = tmp_path / "job.out"
+    started = time.monotonic()
+    subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)], env=slurm_env, cwd=REPO,
+                   capture_output=True, timeout=120)
+    assert "srun exit 75" in out.read_text(), out.read_text()
+    assert time.monotonic() - started < 50, "rank 0 was not stopped: it ran its whole teardown"
 
 
 def test_failed_stage_ends_its_dependants(slurm_env, tmp_path):
