@@ -230,10 +230,10 @@ class TokenScores:
 
     def record(self, tempered: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
         """Step t: the tempered logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
-        # verl's functions, as the actor's and the reference's log-prob passes use (stages/grpo/logprobs.py),
-        # but its log_softmax + gather over all rows at once: without flash-attn, `logprobs_from_logits`
+        # verl's log_softmax + gather over all rows at once: without flash-attn, `logprobs_from_logits`
         # bounds the memory of [rows, length, vocab] logits by looping over the rows, which [rows, vocab]
-        # does not need (one logsumexp per row and step was ~0.1 s of a 0.45 s rollout)
+        # does not need (one logsumexp per row and step was ~0.1 s of a 0.45 s rollout); the log-prob
+        # passes bound it with chunks of rows instead (stages/grpo/logprobs.token_log_probs)
         self.log_probs[rows, t] = logprobs_from_logits_naive(tempered, tokens[rows])
         self.entropy[rows, t] = entropy_from_logits(tempered)
 

@@ -172,7 +172,7 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
     out = tmp_path / "job.out"
     started = time.monotonic()
     subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)], env=slurm_env, cwd=REPO,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=120, check=True)
     assert "srun exit 75" in out.read_text(), out.read_text()
     assert time.monotonic() - started < 50, "rank 0 was not stopped: it ran its whole teardown"
 
