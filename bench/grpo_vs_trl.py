@@ -23,8 +23,8 @@ STAGE = "stage2_grpo"
 
 
 def ours_steps(rows: list[dict], samples: int) -> list[Step]:
-    return [Step(r["step_time_s"], {"samples": samples, "generated tokens": r["response_length/mean"] * samples})
-            for r in rows]
+    return [Step(seconds, {"samples": samples, "generated tokens": r["response_length/mean"] * samples})
+            for seconds, r in zip(versus.step_wall_seconds(rows), rows)]
 
 
 def peer_worker(run_dir: str, out: str, steps: str) -> None:
@@ -96,7 +96,7 @@ def main() -> None:
         stage1_model(run, nproc, args.threads)
     samples = stage.prompts_per_step * stage.group_size
     runs = versus.interleaved(
-        args.reps, lambda: ours_steps(versus.run_ours(run, STAGE, nproc, args.threads), samples),
+        args.reps, lambda: ours_steps(versus.run_ours(run, STAGE, nproc, args.threads, args.warmup), samples),
         lambda: versus.run_peer(__file__, run, args.threads, [str(total)]))
     setup = (f"{STAGE} vs TRL GRPOTrainer from {run.model_dir(stage.init_from)}: {stage.prompts_per_step} prompts x "
              f"G={stage.group_size}, max_new_tokens {stage.max_new_tokens}, temperature {stage.temperature}, "

@@ -17,7 +17,8 @@ STAGE = "stage1_sft"
 
 
 def ours_steps(rows: list[dict], global_batch: int) -> list[Step]:
-    return [Step(r["step_time_s"], {"trained tokens": r["loss_tokens"], "samples": global_batch}) for r in rows]
+    return [Step(seconds, {"trained tokens": r["loss_tokens"], "samples": global_batch})
+            for seconds, r in zip(versus.step_wall_seconds(rows), rows)]
 
 
 def peer_worker(run_dir: str, out: str, steps: str) -> None:
@@ -71,7 +72,8 @@ def main() -> None:
     if stage.dtype != "fp32":
         sys.exit(f"{STAGE}.dtype: the comparison is in fp32, got {stage.dtype}")
     runs = versus.interleaved(
-        args.reps, lambda: ours_steps(versus.run_ours(run, STAGE, nproc, args.threads), stage.global_batch_size),
+        args.reps,
+        lambda: ours_steps(versus.run_ours(run, STAGE, nproc, args.threads, args.warmup), stage.global_batch_size),
         lambda: versus.run_peer(__file__, run, args.threads, [str(total)]))
     setup = (f"{STAGE} vs TRL SFTTrainer: global batch {stage.global_batch_size}, micro {stage.micro_batch_size}, "
              f"max_seq_len {stage.max_seq_len}, {stage.dtype}; ours {nproc} ranks x {max(1, args.threads // nproc)} "

@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from analysis.events import load_events  # noqa: E402
+from analysis.matching import match_calls  # noqa: E402
 from launch.local import run_stage_locally  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.driver import prepare_run  # noqa: E402
@@ -59,14 +61,42 @@ def prepare(config: str, out: str, overrides: list[str]) -> tuple[RunConfig, Run
     return cfg, run
 
 
-def run_ours(run: RunDir, stage_id: str, nproc: int, threads: int) -> list[dict]:
-    """The stage from scratch on `nproc` ranks; its metrics.jsonl rows."""
+def run_ours(run: RunDir, stage_id: str, nproc: int, threads: int, warmup: int | None = None) -> list[dict]:
+    """The stage from scratch on `nproc` ranks; its metrics.jsonl rows. With `warmup`, prints how
+    long the ranks waited for one another in the steps after it."""
     shutil.rmtree(run.stage(stage_id), ignore_errors=True)
     os.environ["OMP_NUM_THREADS"] = str(max(1, threads // nproc))
     if run_stage_locally(run.root, stage_id, nproc) != 0:
         logs = "".join(p.read_text()[-2000:] for p in sorted(run.logs(stage_id).glob("rank-*.log")))
         sys.exit(f"our {stage_id} failed:\n{logs}")
-    return [json.loads(line) for line in run.metrics(stage_id).read_text().splitlines()]
+    rows = [json.loads(line) for line in run.metrics(stage_id).read_text().splitlines()]
+    if warmup is not None:
+        print_rank_waits(run, stage_id, [row["step"] for row in rows[warmup:]], step_wall_seconds(rows)[warmup:])
+    return rows
+
+
+def step_wall_seconds(rows: list[dict]) -> list[float]:
+    """Each step's seconds from its start to the next step's, so that the work between two steps
+    (metrics, progress bar, the checkpoint boundary's agreement on stopping) counts, as it does in
+    the peer's clock; the last step, with no next, its own time (the checkpoint after it is left
+    out, as the peer saves none)."""
+    starts = [row["t_start"] for row in rows]
+    return [b - a for a, b in zip(starts, starts[1:])] + [rows[-1]["step_time_s"]]
+
+
+def print_rank_waits(run: RunDir, stage_id: str, steps: list[int], seconds: list[float]) -> None:
+    """Each rank's wait in collectives for the last to arrive, per measured step: how much of our
+    step synchronous data parallelism loses to the ranks' speed differing (on a shared machine,
+    mostly noise), from the stage's communication profile (absent with profile.comm false)."""
+    # the checkpoint after the last step and the held-out eval of final/ are outside the steps
+    calls = [c for c in match_calls(load_events(run.stage(stage_id)))
+             if c.step in steps and c.phase not in ("checkpoint", "eval")]
+    if not calls:
+        return
+    waits = {rank: 1000 * sum(c.wait(rank) for c in calls if rank in c.events) / len(steps)
+             for rank in sorted({r for c in calls for r in c.events})}
+    print(f"ours: waiting for the slowest rank in collectives, ms a step (of {1000 * statistics.mean(seconds):.0f}): "
+          + ", ".join(f"rank {r} {w:.0f}" for r, w in waits.items()), flush=True)
 
 
 def run_peer(script: str, run: RunDir, threads: int, args: list[str]) -> list[Step]:
