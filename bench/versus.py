@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from analysis.events import load_events  # noqa: E402
-from analysis.matching import match_calls  # noqa: E402
+from analysis.matching import match_calls, wait_by_rank  # noqa: E402
 from launch.local import run_stage_locally  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.driver import prepare_run  # noqa: E402
@@ -93,10 +93,9 @@ def print_rank_waits(run: RunDir, stage_id: str, steps: list[int], seconds: list
              if c.step in steps and c.phase not in ("checkpoint", "eval")]
     if not calls:
         return
-    waits = {rank: 1000 * sum(c.wait(rank) for c in calls if rank in c.events) / len(steps)
-             for rank in sorted({r for c in calls for r in c.events})}
+    waits = wait_by_rank(calls)
     print(f"ours: waiting for the slowest rank in collectives, ms a step (of {1000 * statistics.mean(seconds):.0f}): "
-          + ", ".join(f"rank {r} {w:.0f}" for r, w in waits.items()), flush=True)
+          + ", ".join(f"rank {r} {1000 * waits[r] / len(steps):.0f}" for r in sorted(waits)), flush=True)
 
 
 def run_peer(script: str, run: RunDir, threads: int, args: list[str]) -> list[Step]:
