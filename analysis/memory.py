@@ -172,12 +172,36 @@ def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, gpus_per_node: int
 
 def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: int, gpus_per_node: int,
                    runtime_per_rank: float) -> Footprint:
-    """`layout.tp` is the rollout's tensor-parallel size; the actor and reference shard over all N."""
+    """`layout.tp` is the rollout's tensor-parallel size; the actor and reference shard over all N
+    (data_parallel fsdp2) or are whole on each (ddp)."""
     P, N, tr = m.params(), layout.gpus, layout.tp
     s = prompt_tokens + g.max_new_tokens
     rollout_seqs = g.prompts_per_step * g.group_size / N
     update_seqs = math.ceil(rollout_seqs / g.mini_batches)
-    actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
+    replicated = g.engine == "native" and g.data_parallel == "ddp"  # verl's trainer always shards
+    if replicated:  # whole on every rank: nothing sharded, nothing gathered
+        actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=0))
+        gathered = Term("actor_gathered", "0 (data_parallel: ddp)", 0.0)
+        reference = Term("reference_weights", "P·2 (data_parallel: ddp)", P * BF16)
+        offloaded = 0.0
+    else:
+        actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
+        gathered, reference = fsdp_gathered_weights(m, g, N)
+        offloaded = P * FSDP_MIXED.optimizer / N if layout.offload else 0.0
+    gpu = [*(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
+           gathered, reference,
+           Term("rollout_weights", "P·2/tp", P * BF16 / tr),
+           activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
+           kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16)]
+    # The largest thing a rank loads: the whole actor under ddp, else its rollout shard (the actor's is P/N).
+    fraction, loaded = ("P", P) if replicated else ("P/tp", P / tr)
+    host = host_terms(m, fraction, loaded, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
+    return Footprint(gpu, host)
+
+
+def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> tuple[Term, Term]:
+    """Under FSDP2: the actor's gathered weights at their most, and the reference's weights."""
+    P = m.params()
     if g.reshard_after_forward and g.fsdp_units == "layer":
         # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays
         # gathered through forward and backward.
@@ -190,15 +214,7 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: i
         reference = Term("reference_weights", "P·2/N", P * BF16 / N)
     else:  # gathered for good
         reference = Term("reference_weights", "P·2 (reshard_after_forward: false)", P * BF16)
-    gpu = [*(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
-           gathered, reference,
-           Term("rollout_weights", "P·2/tp", P * BF16 / tr),
-           activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
-           kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16)]
-    offloaded = P * FSDP_MIXED.optimizer / N if layout.offload else 0.0
-    # A rank reads its rollout shard, the largest thing it loads (the actor's is P/N).
-    host = host_terms(m, "P/tp", P / tr, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
-    return Footprint(gpu, host)
+    return gathered, reference
 
 
 def synth_footprint(m: LlamaShape, st: SynthStage, layout: Layout, prompt_tokens: int, gpus_per_node: int,

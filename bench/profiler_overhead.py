@@ -44,7 +44,7 @@ def ddp_step():
 
 def embedded_grpo_step():
     """One step of the embedded default's stage2_grpo (configs/tiny-cpu.yaml: its tiny model, 16
-    prompts x 8 samples, 64 new tokens, FSDP2 over the ranks) through the stage's own roles and
+    prompts x 8 samples, 64 new tokens, DDP over the ranks) through the stage's own roles and
     step: weight sync, rollout, reward, log-probs, advantages, update. The model is the freshly
     built base model, not stage 1's (which would need stage 1 run first); its responses rarely end
     before the token budget, so steps are the stage's costliest shape and hardly vary."""

@@ -217,19 +217,30 @@ class GRPOStage(Section):
     longest response, so smaller micro-batches forward less padding (and hold fewer activations)
     but make more forwards."""
     reshard_after_forward: bool = True
-    """FSDP2's: free each gathered layer after its forward (and gather it again for the backward).
-    False keeps the actor's layers gathered from a forward until its backward ends and the frozen
-    reference's gathered for good: no repeated all-gathers, at the price of whole-model weights on
-    every rank (`hpcr1 plan` counts them). For models that fit whole on a rank. False also has the
-    log-prob passes forward each distinct prompt once for its whole group (one more forward call,
-    which would cost one more all-gather of every layer were the layers freed after each forward)."""
+    """FSDP2's (data_parallel fsdp2): free each gathered layer after its forward (and gather it again
+    for the backward). False keeps the actor's layers gathered from a forward until its backward
+    ends and the frozen reference's gathered for good: no repeated all-gathers, at the price of
+    whole-model weights on every rank (`hpcr1 plan` counts them). For models that fit whole on a
+    rank. False also has the log-prob passes forward each distinct prompt once for its whole group
+    (one more forward call, which would cost one more all-gather of every layer were the layers
+    freed after each forward)."""
+    data_parallel: Literal["fsdp2", "ddp"] = "fsdp2"
+    """How the actor and the reference are spread over the ranks (the native engine's). 'fsdp2':
+    sharded, each rank holding 1/N of the weights, gradients and optimizer state; reshard_after_forward
+    and fsdp_units set when the weights are gathered. 'ddp': whole on every rank, the actor's gradients
+    and optimizer state too; torch's DistributedDataParallel averages the gradients in the backward
+    and nothing else communicates: no gathers (the rollout's weight sync included), and the clip and
+    the optimizer step run on plain tensors, not DTensors. For models that fit whole on a rank with
+    room to spare (`hpcr1 plan` counts it); the log-prob passes then share prompts (see
+    reshard_after_forward). The native engine's only: verl's trainer always shards with FSDP."""
     fsdp_units: Literal["layer", "model"] = "layer"
-    """How the actor and the reference are cut into FSDP2 units. 'layer': each decoder layer is its
-    own unit, gathered and reduced on its own (on GPUs, a layer's collectives overlap its neighbours'
-    compute). 'model': the whole model is one unit, one all-gather and one reduce-scatter a pass. On
-    CPU ranks, where gloo's collectives overlap nothing, the fewer calls are faster (2 ranks of the
-    default: ~6% a GRPO step); with reshard_after_forward false the whole model is gathered at once
-    either way. The native engine's only: verl's FSDP2 always makes each decoder layer a unit."""
+    """How the actor and the reference are cut into FSDP2 units (data_parallel fsdp2). 'layer': each
+    decoder layer is its own unit, gathered and reduced on its own (on GPUs, a layer's collectives
+    overlap its neighbours' compute). 'model': the whole model is one unit, one all-gather and one
+    reduce-scatter a pass. On CPU ranks, where gloo's collectives overlap nothing, the fewer calls
+    are faster (2 CPU ranks of the tiny model: ~6% a GRPO step); with reshard_after_forward false
+    the whole model is gathered at once either way. The native engine's only: verl's FSDP2 always
+    makes each decoder layer a unit."""
     old_log_probs: Literal["actor", "rollout"] = "actor"
     """Where the PPO ratio's old log-probabilities come from. 'actor': a forward of the actor over
     the rollout batch before the update (verl's default). 'rollout': those the rollout computed while
@@ -262,8 +273,8 @@ class GRPOStage(Section):
     @property
     def shares_prompts(self) -> bool:
         """Whether the log-prob passes forward each distinct prompt once for its group: only where
-        the layers stay gathered (see reshard_after_forward and stages/grpo/logprobs.py)."""
-        return not self.reshard_after_forward
+        the layers stay whole (see reshard_after_forward and stages/grpo/logprobs.py)."""
+        return self.data_parallel == "ddp" or not self.reshard_after_forward
 
 
 class SynthStage(Section):

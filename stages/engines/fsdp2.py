@@ -1,6 +1,6 @@
 """FSDP2 (`fully_shard`) for the GRPO roles: a Hugging Face causal LM sharded over all ranks, with
-whole-parameter gathers (for the rollout's weight sync and the final export) and sharded step
-checkpoints through torch.distributed.checkpoint.
+whole-parameter gathers for the rollout's weight sync (step checkpoints and the final export:
+stages/engines/state_dicts.py).
 
 Each decoder layer is its own FSDP unit, so only one layer's full parameters exist at a time in a
 forward; the root unit holds the embeddings, the final norm and the head (or, for small models on
@@ -14,23 +14,17 @@ per rank (a 70B model in fp32 is 280 GB).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from stages.models.hf_files import HFCheckpoint, save_hf_dir
-
-TRAINER_STATE = "trainer_state.json"
+from stages.models.hf_files import HFCheckpoint
 
 
 def local_device() -> torch.device:
@@ -82,13 +76,6 @@ def _rebuild_rotary_buffers(model: torch.nn.Module, device: torch.device) -> Non
             setattr(module, buffer, getattr(fresh, buffer))
 
 
-def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Unsharded parameters (an all-gather): on every rank, or only on rank 0 (in CPU memory,
-    for export; the other ranks get an empty dict). Every rank must call it."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
-    return get_model_state_dict(model, options=options)
-
-
 @contextmanager
 def gathered_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """The parameters whole on every rank inside the block, by name (read them, do not keep them):
@@ -111,29 +98,3 @@ def reshard(model: torch.nn.Module) -> None:
 
 def _units(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path) -> None:
-    """Write a Hugging Face directory from rank 0 (safetensors, config.json, the tokenizer's files)."""
-    state = full_state_dict(model, rank0_only=True)
-    if dist.get_rank() == 0:
-        save_hf_dir(state, model.config, out_dir, tokenizer_dir=tokenizer_dir)
-    dist.barrier()
-
-
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                    trainer_state: dict) -> None:
-    """Sharded model and optimizer state (each rank writes its own shards) plus the trainer state."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
-    if dist.get_rank() == 0:
-        (directory / TRAINER_STATE).write_text(json.dumps(trainer_state))
-    dist.barrier()
-
-
-def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return json.loads((directory / TRAINER_STATE).read_text())

@@ -1,4 +1,5 @@
-"""The actor role: the policy being trained, FSDP2-sharded over all ranks. It gives the old
+"""The actor role: the policy being trained, sharded over all ranks (FSDP2) or whole on each (DDP:
+the stage's data_parallel). It gives the old
 log-probabilities of a rollout batch and runs the clipped-surrogate update over several epochs of
 mini-batches.
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from pipeline.config import GRPOStage
-from stages.engines import fsdp2
+from stages.engines import ddp, fsdp2, state_dicts
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.losses import actor_loss, policy_loss_config
 
@@ -24,14 +25,18 @@ from stages.grpo.losses import actor_loss, policy_loss_config
 class Actor:
     def __init__(self, model_dir: Path, stage: GRPOStage):
         self.stage = stage
-        self.model = fsdp2.load_sharded(model_dir, trainable=True, reshard_after_forward=stage.reshard_after_forward,
-                                        units=stage.fsdp_units)
-        # fused: one kernel over all parameters; the default loops over them, op by op through DTensor's
-        # dispatch (clip + step on the tiny model's shards on 2 ranks: 9-10 ms fused, 30-34 ms by default)
+        self.sharded = stage.data_parallel == "fsdp2"
+        if self.sharded:
+            self.model = fsdp2.load_sharded(model_dir, trainable=True,
+                                            reshard_after_forward=stage.reshard_after_forward, units=stage.fsdp_units)
+        else:
+            self.model = ddp.load_replicated(model_dir, trainable=True)
+        # fused: one kernel over all parameters; the default loops over them, op by op (for FSDP2, through
+        # DTensor's dispatch: clip + step on the tiny model's shards on 2 ranks 9-10 ms fused, 30-34 ms by default)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0, fused=True)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
         self.recomputes_old_log_probs = stage.old_log_probs == "actor"
-        if stage.shares_prompts:
+        if self.sharded and stage.shares_prompts:
             # A backward over shared prompts differentiates each layer twice (the responses' forward,
             # then the prompts'); kept gathered after the first, the layer needs no second all-gather.
             # The update reshards by hand once the backward is done.
@@ -71,12 +76,12 @@ class Actor:
                 loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
                                          int(global_tokens.clamp(min=1)), world)
                 loss.backward()
-                if self.stage.shares_prompts:  # before the step: it updates the shards, which the next forward gathers
-                    fsdp2.reshard(self.model)
+                if self.sharded and self.stage.shares_prompts:
+                    fsdp2.reshard(self.model)  # before the step: it updates the shards, which the next forward gathers
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.stage.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                stats["grad_norm"] = grad_norm.full_tensor()
+                stats["grad_norm"] = grad_norm.full_tensor() if self.sharded else grad_norm  # FSDP2's: a DTensor
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
         # Every statistic's sum over ranks / ranks is its global value: the losses are this rank's
@@ -93,16 +98,16 @@ class Actor:
 
     def gathered_weights(self):
         """A context: the policy's parameters whole, by name, inside it (every rank enters it)."""
-        return fsdp2.gathered_parameters(self.model)
+        return (fsdp2 if self.sharded else ddp).gathered_parameters(self.model)
 
     def save(self, directory: Path, trainer_state: dict) -> None:
-        fsdp2.save_checkpoint(self.model, self.optimizer, directory, trainer_state)
+        state_dicts.save_checkpoint(self.model, self.optimizer, directory, trainer_state)
 
     def load(self, directory: Path) -> dict:
-        return fsdp2.load_checkpoint(self.model, self.optimizer, directory)
+        return state_dicts.load_checkpoint(self.model, self.optimizer, directory)
 
     def export_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        fsdp2.export_hf(self.model, out_dir, tokenizer_dir)
+        state_dicts.export_hf(self.model, out_dir, tokenizer_dir)
 
     def close(self) -> None:
         """Free the sharded policy and its optimizer state before final/ is evaluated."""

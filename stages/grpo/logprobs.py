@@ -26,6 +26,8 @@ from transformers import DynamicCache
 from verl.protocol import DataProto
 from verl.utils.torch_functional import entropy_from_logits
 
+from stages.engines.ddp import unwrapped
+
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 # Logits one logsumexp call reduces at most. Without flash-attn, verl's `logprobs_from_logits` bounds
 # the memory of the reduction by calling it once a row (a call and its backward per row and pass);
@@ -46,7 +48,8 @@ def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micr
     prompts = SharedPrompts.forward(model, t) if share_prompts else None
     lengths = t["response_mask"].sum(dim=1)
     groups = micro_batches(lengths, micro_batch_size or len(batch), cut_where_halved=share_prompts)
-    groups = split_to(groups, most_over_ranks(len(groups), lengths.device))
+    if not share_prompts:  # layers gathered in every forward: every rank must make as many
+        groups = split_to(groups, most_over_ranks(len(groups), lengths.device))
     pieces = [_forward(model, t, prompts, rows, width, temperature, with_entropy) for rows in groups]
     order = torch.cat(groups)
     restore = torch.empty_like(order)
@@ -77,9 +80,10 @@ def most_over_ranks(count: int, device: torch.device) -> int:
     reshards after every forward, each forward all-gathers: a rank with one forward fewer leaves the
     others waiting in an all-gather for good (seen: one more forward forced on rank 1 hung). There
     micro-batches are cut by count and every rank holds as many rows, so the counts agree anyway;
-    this makes sure. With the layers kept gathered they differ where lengths halve (1 pass in 120
-    on the default) and would be harmless: one reduce-scatter a backward whatever the forwards
-    (checked: the same update with one more forward on rank 1)."""
+    this makes sure. Where prompts are shared (layers kept whole) the counts differ where lengths
+    halve (1 pass in 120 on the default) and that is harmless: one all-gather the first forward and
+    one reduce-scatter or all-reduce a backward whatever the forwards (checked for FSDP2: the same
+    update with one more forward on rank 1), so no rank waits for the others to agree on them."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count
     most = torch.tensor([count], device=device)
@@ -123,7 +127,7 @@ class SharedPrompts:
         forwarded, against a cache holding a copy of each row's prompt (which the forward extends)."""
         index, start = self.of_row[rows], t["prompts"].shape[1]
         cache = DynamicCache([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.keys_values],
-                             config=model.config)
+                             config=unwrapped(model).config)
         logits = model(input_ids=t["responses"][rows, :length],
                        attention_mask=t["attention_mask"][rows, :start + length],
                        position_ids=t["position_ids"][rows, start:start + length], past_key_values=cache,

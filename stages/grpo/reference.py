@@ -1,5 +1,5 @@
-"""The reference role: a frozen FSDP2-sharded copy of the stage's starting model, giving the
-log-probabilities the KL term compares the policy against."""
+"""The reference role: a frozen copy of the stage's starting model, sharded (FSDP2) or whole on every
+rank (the stage's data_parallel), giving the log-probabilities the KL term compares the policy against."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,14 +8,17 @@ import torch
 from verl.protocol import DataProto
 
 from pipeline.config import GRPOStage
-from stages.engines import fsdp2
+from stages.engines import ddp, fsdp2
 from stages.grpo.logprobs import response_log_probs
 
 
 class Reference:
     def __init__(self, model_dir: Path, stage: GRPOStage):
-        self.model = fsdp2.load_sharded(model_dir, trainable=False, reshard_after_forward=stage.reshard_after_forward,
-                                        units=stage.fsdp_units)
+        if stage.data_parallel == "ddp":
+            self.model = ddp.load_replicated(model_dir, trainable=False)
+        else:
+            self.model = fsdp2.load_sharded(model_dir, trainable=False,
+                                            reshard_after_forward=stage.reshard_after_forward, units=stage.fsdp_units)
         self.stage = stage
 
     @torch.no_grad()

@@ -1,8 +1,8 @@
 """GRPO on real ranks: one update on 2 ranks changes the weights as on 1 rank, given the same
 global rollout batch (fed fixed, since sampling is per rank), whether FSDP2 reshards after each
-forward or keeps the layers gathered, whether each layer or the whole model is an FSDP unit, and
-whether the old log-probs are the actor's or the rollout's (verl's bypass mode: equal values, so the
-same update)."""
+forward or keeps the layers gathered, whether each layer or the whole model is an FSDP unit, whether
+DDP keeps the models whole on every rank instead, and whether the old log-probs are the actor's or
+the rollout's (verl's bypass mode: equal values, so the same update)."""
 from __future__ import annotations
 
 import pytest
@@ -63,6 +63,14 @@ def test_the_whole_model_as_one_fsdp_unit_gives_the_same_update(model_dir, one_r
     two_ranks = run_step(model_dir, tmp_path_factory.mktemp("one-unit"), 2, "fsdp_units=model",
                          "reshard_after_forward=false", "old_log_probs=rollout")
     assert_same_update(model_dir, one_rank, two_ranks)
+
+
+def test_ddp_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+    """With the embedded default's settings: actor and reference whole on each rank (DDP), the
+    rollout's log-probs; the 1-rank reference is FSDP2's."""
+    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("ddp"), 2, "data_parallel=ddp", "old_log_probs=rollout")
+    assert_same_update(model_dir, one_rank, two_ranks)
+    assert two_ranks["update_all_gathers"] == 0  # nothing is gathered: only the gradients are all-reduced
 
 
 def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:

@@ -25,8 +25,16 @@ UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 @pytest.fixture(scope="module")
 def grpo_report(tmp_path_factory) -> tuple[Path, str]:
     """(the run's base model directory, report.md) after a 2-step GRPO stage and `hpcr1 report`."""
-    tmp = tmp_path_factory.mktemp("grpo-report")
-    run = prepared_grpo_run(tmp, steps=STEPS)
+    return reported_run(tmp_path_factory.mktemp("grpo-report"), "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def ddp_report(tmp_path_factory) -> tuple[Path, str]:
+    return reported_run(tmp_path_factory.mktemp("ddp-report"), "ddp")
+
+
+def reported_run(tmp: Path, data_parallel: str) -> tuple[Path, str]:
+    run = prepared_grpo_run(tmp, steps=STEPS, data_parallel=data_parallel)
     run_stage(run, "stage2_grpo")
     hpcr1 = Path(sys.executable).with_name("hpcr1")  # the installed console script, as a user runs it
     proc = subprocess.run([str(hpcr1), "report", str(run.root)], cwd=tmp, env=hpcr1_env(), capture_output=True,
@@ -34,6 +42,11 @@ def grpo_report(tmp_path_factory) -> tuple[Path, str]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(run.root / "report" / "index.html")
     return run.base_model, (run.root / "report" / "report.md").read_text()
+
+
+def bytes_by_phase(md: str) -> dict[str, dict[str, float]]:
+    header, *rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
+    return {row[0]: {op: size_bytes(cell) for op, cell in zip(header[1:], row[1:]) if cell != "0 B"} for row in rows}
 
 
 def parameter_bytes(model_dir: Path, in_layers: bool) -> int:
@@ -77,8 +90,7 @@ def test_report_compares_policy_update_and_both_log_prob_phases_side_by_side(grp
 
 def test_fsdp2_phases_move_the_bytes_the_parameters_require_and_the_others_move_none(grpo_report):
     model_dir, md = grpo_report
-    header, *rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
-    moved = {row[0]: {op: size_bytes(cell) for op, cell in zip(header[1:], row[1:])} for row in rows}
+    moved = bytes_by_phase(md)
     every, layers = parameter_bytes(model_dir, in_layers=False), parameter_bytes(model_dir, in_layers=True)
     slack = 1.1  # FSDP2 pads each shard to equal size; the table prints 3 significant digits
     # The rollout's copy of the policy receives every parameter once a step.
@@ -91,3 +103,15 @@ def test_fsdp2_phases_move_the_bytes_the_parameters_require_and_the_others_move_
     assert grads / 1.01 <= moved["policy_update"]["reduce_scatter"] <= grads * slack
     # Generation runs on the rollout's own unsharded copy; scoring and advantages are local.
     assert not {"rollout", "reward", "advantage"} & set(moved), sorted(moved)
+
+
+def test_ddp_moves_only_each_mini_batchs_gradients(ddp_report):
+    """Whole models on every rank: the weight sync and the log-prob passes communicate nothing, and
+    each optimizer step all-reduces the gradient of every parameter once (plus a few bytes of token
+    counts and statistics, and DDP's broadcast of its bucket order after the first backward)."""
+    model_dir, md = ddp_report
+    moved = bytes_by_phase(md)
+    grads = STEPS * MINI_BATCHES * parameter_bytes(model_dir, in_layers=False)
+    assert {op for op, size in moved["policy_update"].items() if size > 1024} == {"all_reduce"}, moved["policy_update"]
+    assert grads / 1.01 <= moved["policy_update"]["all_reduce"] <= grads * 1.01 + 1024
+    assert not {"weight_sync", "reference_logprob", "policy_logprob", "rollout"} & set(moved), sorted(moved)

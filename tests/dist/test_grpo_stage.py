@@ -1,6 +1,7 @@
 """stage2_grpo through launch.worker on 2 real ranks: per-phase times and the GRPO statistics in
 metrics.jsonl, a Hugging Face final/ and eval.json, and a resumed run that repeats a lost step
-exactly (prompt order and sampling seeds come from (seed, step, rank), weights from the checkpoint)."""
+exactly (prompt order and sampling seeds come from (seed, step, rank), weights and optimizer state
+from the checkpoint), with the models sharded (FSDP2) or whole on each rank (DDP)."""
 from __future__ import annotations
 
 import json
@@ -33,21 +34,22 @@ def metrics(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.metrics("stage2_grpo").read_text().splitlines()]
 
 
-def prepared_grpo_run(tmp_path, steps: int) -> RunDir:
+def prepared_grpo_run(tmp_path, steps: int, data_parallel: str = "fsdp2") -> RunDir:
     """A run directory with the base model and data of a small stage2_grpo (profile on), not yet run."""
     config = tmp_path / "cfg.yaml"
     config.write_text("name: grpo\nseed: 2\nwandb: {mode: disabled}\nprofile: {comm: true}\n"
                       "data: {arithmetic: {sft_size: 16, prompts_size: 16, eval_size: 4}}\n"
                       "eval: {num_examples: 4, max_new_tokens: 16, batch_size: 4}\n"
                       f"stage2_grpo: {{init_from: base, steps: {steps}, prompts_per_step: 4, group_size: 2, "
-                      "max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2}\n")
+                      f"max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2, data_parallel: {data_parallel}}}\n")
     run = RunDir(tmp_path / "run")
     prepare_run(load_config(config), run, tmp_path)
     return run
 
 
-def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path):
-    run = prepared_grpo_run(tmp_path, steps=3)
+@pytest.mark.parametrize("data_parallel", ["fsdp2", "ddp"])
+def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path, data_parallel):
+    run = prepared_grpo_run(tmp_path, steps=3, data_parallel=data_parallel)
     run_stage(run, "stage2_grpo")
     first = metrics(run)
     assert [m["step"] for m in first] == [1, 2, 3]

@@ -129,3 +129,23 @@ def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference(
     assert keeping["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
     assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == \
         {k: v for k, v in resharding.items() if k not in ("reference_weights", "actor_gathered")}
+
+
+def test_ddp_counts_the_whole_actor_and_reference_on_every_rank():
+    from analysis.memory import grpo_footprint
+    from pipeline.config import GRPOStage
+
+    shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
+
+    def gpu_terms(**stage) -> dict[str, float]:
+        footprint = grpo_footprint(shape, GRPOStage(**stage), Layout(gpus=8, tp=1, zero=3), prompt_tokens=512,
+                                   gpus_per_node=4, runtime_per_rank=0.0)
+        return {t.name: t.bytes for t in footprint.gpu}
+
+    ddp, fsdp2 = gpu_terms(data_parallel="ddp"), gpu_terms()
+    # fp32 weights and gradients and Adam's two fp32 moments, none of them divided over the 8 ranks
+    assert (ddp["actor_weights"], ddp["actor_gradients"], ddp["actor_optimizer"]) == (4 * P_8B, 4 * P_8B, 8 * P_8B)
+    assert ddp["actor_optimizer"] == 8 * fsdp2["actor_optimizer"]
+    assert ddp["reference_weights"] == 2 * P_8B and ddp["actor_gathered"] == 0
+    # verl's trainer shards whatever the native engine's setting
+    assert gpu_terms(data_parallel="ddp", engine="verl") == fsdp2

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from launch.dist import init_distributed, shutdown_distributed
-from stages.engines import fsdp2
+from stages.engines import fsdp2, state_dicts
 from tests.dist.workers.results import print_result
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
@@ -38,7 +38,7 @@ def compare(name: str, model_dir: Path) -> list[dict]:
     # Before any forward: FSDP2 leaves the root unit's parameters unsharded after one.
     local_rows = {k: p.to_local().shape[0] for k, p in streamed.named_parameters() if "embed" in k or "up_proj" in k}
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gathered = fsdp2.full_state_dict(streamed)
+    gathered = state_dicts.full_state_dict(streamed)
     expected = reference.state_dict()
     ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -1,0 +1,44 @@
+"""DistributedDataParallel for the GRPO roles, for models that fit whole on a rank several times
+over: every rank holds the whole model (the actor also its gradients and optimizer state), torch's
+DDP averages the actor's gradients over the ranks in its backward, and nothing else communicates:
+no all-gather before a forward or at the rollout's weight sync, and the clip and the optimizer step
+run on plain tensors, not through DTensor's dispatch. The frozen reference is a plain module.
+
+Checkpoints and the final export go through torch.distributed.checkpoint's state-dict API like
+FSDP2's (stages/engines/fsdp2.py), which strips DDP's `module.` prefix: the files are the same.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoModelForCausalLM
+
+from stages.engines.fsdp2 import local_device
+
+
+def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
+    """The model of `hf_dir` in fp32, whole on this rank; trainable, wrapped in DDP (which checks
+    that every rank starts from the same weights)."""
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(local_device())
+    model.requires_grad_(trainable)
+    model.train(trainable)
+    if not trainable:
+        return model
+    # The only buffers are the rotary embedding's frequencies, computed from the config on every
+    # rank: broadcasting them before every forward (DDP's default) would be a collective a forward.
+    return DistributedDataParallel(model, forward_sync_buffers=False)
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face module inside a DDP wrapper (or the module itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextmanager
+def gathered_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """fsdp2.gathered_parameters' counterpart: the parameters are whole already."""
+    yield dict(unwrapped(model).named_parameters())
