@@ -3,9 +3,7 @@ over: every rank holds the whole model (the actor also its gradients and optimiz
 DDP averages the actor's gradients over the ranks in its backward, and nothing else communicates:
 no all-gather before a forward or at the rollout's weight sync, and the clip and the optimizer step
 run on plain tensors, not through DTensor's dispatch. The frozen reference is a plain module.
-
-Checkpoints and the final export go through torch.distributed.checkpoint's state-dict API like
-FSDP2's (stages/engines/fsdp2.py), which strips DDP's `module.` prefix: the files are the same.
+Checkpoints and the final export: stages/engines/state_dicts.py, as for FSDP2.
 """
 from __future__ import annotations
 
@@ -21,8 +19,8 @@ from stages.engines.fsdp2 import local_device
 
 
 def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
-    """The model of `hf_dir` in fp32, whole on this rank; trainable, wrapped in DDP (which checks
-    that every rank starts from the same weights)."""
+    """The model of `hf_dir` in fp32, whole on this rank; trainable, wrapped in DDP (which starts
+    every rank from rank 0's weights)."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(local_device())
     model.requires_grad_(trainable)
     model.train(trainable)

@@ -1,7 +1,6 @@
-"""The actor role: the policy being trained, sharded over all ranks (FSDP2) or whole on each (DDP:
-the stage's data_parallel). It gives the old
-log-probabilities of a rollout batch and runs the clipped-surrogate update over several epochs of
-mini-batches.
+"""The actor role: the policy being trained, sharded over all ranks (FSDP2) or whole on each (DDP;
+the stage's data_parallel). It gives the old log-probabilities of a rollout batch and runs the
+clipped-surrogate update over several epochs of mini-batches.
 
 The first mini-batch of the first epoch is on-policy: no optimizer step has happened when the update
 reaches it, so its old log-probabilities are the update's own forward, detached (verl's on-policy
