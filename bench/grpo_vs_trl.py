@@ -1,10 +1,10 @@
 """Samples (and generated tokens) per second of our stage2_grpo (actor and reference as the config's
 data_parallel has them, DDP on the default; our decode loop for the rollout; N ranks) against TRL's
-GRPOTrainer (one process, HF generate, no vLLM), on the same starting model, prompts, reward function (ours), prompts per step, group size, max new tokens, temperature,
-PPO epochs and mini-batches, clip ratio, KL coefficient (TRL's beta; TRL's KL is k3, ours the
-config's kl_type), fp32 and total thread count. A sample is one sampled response; a step is one
-rollout of prompts x G responses and the updates on it. Prints each repetition, the medians, and the
-ratio ours / TRL last.
+GRPOTrainer (one process, HF generate, no vLLM), on the same starting model, prompts, reward
+function (ours), prompts per step, group size, max new tokens, temperature, PPO epochs and
+mini-batches, clip ratio, KL coefficient (TRL's beta; TRL's KL is k3, ours the config's kl_type),
+fp32 and total thread count. A sample is one sampled response; a step is one rollout of prompts x G
+responses and the updates on it. Prints each repetition, the medians, and the ratio ours / TRL last.
 
     python bench/grpo_vs_trl.py [--model HF_DIR] [--reps 3] [--steps 8] [--warmup 2] [--nproc N] [KEY=VALUE ...]
 

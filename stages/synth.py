@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from launch.phases import phase, take_phase_times
 from pipeline.atomic import atomic_write_text
 from stages.context import StageContext
 from stages.data.examples import Example, read_examples, write_examples
-from stages.engines.fsdp2 import local_device
+from stages.engines.ddp import load_replicated
 from stages.generation import generate_responses
 from stages.metrics import MetricsLogger
 from stages.models.hf_files import weights_sha256
@@ -94,7 +94,7 @@ def run(ctx: StageContext) -> None:
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
     model_dir = run.model_dir(stage.init_from)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(local_device()).eval()
+    model = load_replicated(model_dir, trainable=False)
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
     num_batches = -(-len(prompts) // stage.batch_size)
 

@@ -19,17 +19,14 @@ from pipeline.config import GRPOStage
 from stages.engines import ddp, fsdp2, state_dicts
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.losses import actor_loss, policy_loss_config
+from stages.grpo.placement import load_role_model
 
 
 class Actor:
     def __init__(self, model_dir: Path, stage: GRPOStage):
         self.stage = stage
         self.sharded = stage.data_parallel == "fsdp2"
-        if self.sharded:
-            self.model = fsdp2.load_sharded(model_dir, trainable=True,
-                                            reshard_after_forward=stage.reshard_after_forward, units=stage.fsdp_units)
-        else:
-            self.model = ddp.load_replicated(model_dir, trainable=True)
+        self.model = load_role_model(model_dir, stage, trainable=True)
         # fused: one kernel over all parameters; the default loops over them, op by op (for FSDP2, through
         # DTensor's dispatch: clip + step on the tiny model's shards on 2 ranks 9-10 ms fused, 30-34 ms by default)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0, fused=True)

@@ -8,17 +8,13 @@ import torch
 from verl.protocol import DataProto
 
 from pipeline.config import GRPOStage
-from stages.engines import ddp, fsdp2
 from stages.grpo.logprobs import response_log_probs
+from stages.grpo.placement import load_role_model
 
 
 class Reference:
     def __init__(self, model_dir: Path, stage: GRPOStage):
-        if stage.data_parallel == "ddp":
-            self.model = ddp.load_replicated(model_dir, trainable=False)
-        else:
-            self.model = fsdp2.load_sharded(model_dir, trainable=False,
-                                            reshard_after_forward=stage.reshard_after_forward, units=stage.fsdp_units)
+        self.model = load_role_model(model_dir, stage, trainable=False)
         self.stage = stage
 
     @torch.no_grad()

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 from verl.protocol import DataProto
 
 from stages.data.examples import Example
 from stages.data.tokenizer import encode_prompt
+from stages.engines.ddp import load_replicated
 from stages.engines.fsdp2 import local_device
 from stages.generation import TokenScores, generate_tokens
 
@@ -23,7 +23,7 @@ from stages.generation import TokenScores, generate_tokens
 class Rollout:
     def __init__(self, model_dir, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_p: float,
                  with_log_probs: bool = False):
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(local_device()).eval()
+        self.model = load_replicated(model_dir, trainable=False)
         self.tokenizer = tokenizer
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
