@@ -1,4 +1,4 @@
-# make setup: .venv with everything pinned; make run: the embedded default; make test: the suite.
+# make setup: .venv with everything pinned; make run: the embedded default; make test: lint and the suite.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup run test test-quick system-packages
+.PHONY: setup run lint test test-quick system-packages
 
 setup: .venv/.done
 
@@ -32,8 +32,12 @@ system-packages:
 run: setup
 	.venv/bin/hpcr1 run $(CONFIG)
 
+# The one-way layers: pyproject's import-linter contract.
+lint: setup
+	.venv/bin/lint-imports --no-cache
+
 # Starts the local single-node Slurm the tests in tests/slurm submit to.
-test: setup system-packages
+test: lint system-packages
 	slurm/local/start.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

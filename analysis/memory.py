@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from analysis.model_shape import LlamaShape
-from pipeline.config import GRPOStage, SFTStage, SynthStage
+from core.config import GRPOStage, SFTStage, SynthStage
 
 GB = 1e9
 BF16 = 2

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, TinyModel, resolve_path
+from core.config import ConfigError, RunConfig, TinyModel, resolve_path
 
 # Bytes per element of the dtypes a checkpoint is stored in (config.json's torch_dtype / dtype).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -13,8 +13,8 @@ from functools import partial
 
 from analysis.memory import Footprint, Layout, grpo_footprint, sft_footprint, synth_footprint
 from analysis.model_shape import LlamaShape
-from launch.cluster import ClusterProfile
-from pipeline.config import ConfigError, GRPOStage, RunConfig, SFTStage
+from core.cluster import ClusterProfile
+from core.config import ConfigError, GRPOStage, RunConfig, SFTStage
 
 GIB = 1 << 30
 # Of a GPU's memory, the caching allocator's fragmentation, the CUDA context and NCCL's buffers

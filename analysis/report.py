@@ -13,7 +13,7 @@ from pathlib import Path
 from analysis import figures, scaling
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
-from launch.nccl_transport import detect_in_logs
+from analysis.nccl_transport import detect_in_logs
 from analysis.tables import Table, comparison_table, cross_stage_table, stage_tables
 
 # After loading, the page counts its figures that failed to decode; a headless browser test reads

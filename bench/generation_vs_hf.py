@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.inputs import load_task, prepare_inputs  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
+from core.config import load_config  # noqa: E402
+from stages.inputs import load_task, prepare_inputs  # noqa: E402
+from core.rundir import RunDir  # noqa: E402
 from stages.data.tokenizer import encode_prompt  # noqa: E402
 from stages.generation import generate_tokens, left_padded  # noqa: E402
 

@@ -77,7 +77,7 @@ def flops_per_token(shape, seq_len: int) -> float:
 def init_ranks():
     """NCCL process group from torchrun's or Slurm's environment (under bare srun the master is the
     allocation's first node, as the pipeline's own Slurm launcher sets it)."""
-    from launch.dist import init_distributed
+    from runtime.dist import init_distributed
     from launch.slurm_launch import first_host, rendezvous_port
 
     if "SLURM_JOB_NODELIST" in os.environ and "MASTER_ADDR" not in os.environ:
@@ -92,7 +92,7 @@ def build_engine(hf_config, args):
     import deepspeed
     from megatron.core import parallel_state, tensor_parallel
 
-    from pipeline.config import ParallelConfig, SFTStage
+    from core.config import ParallelConfig, SFTStage
     from stages.engines.megatron_deepspeed import MegatronMpu, deepspeed_config
     from stages.models.megatron_llama import build_megatron_llama
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             print_grpo_split(args.grpo_run / args.grpo_stage)
         print(f"SFT model FLOP/s per GPU: {result['tflops_per_gpu']:.1f} TFLOP/s, MFU {100 * result['mfu']:.1f}% "
               f"of {result['peak_tflops']:.0f} TFLOP/s bf16")
-    from launch.dist import shutdown_distributed
+    from runtime.dist import shutdown_distributed
     shutdown_distributed()
     return 0
 

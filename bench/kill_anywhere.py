@@ -36,9 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from launch.local import repo_env  # noqa: E402
-from pipeline.atomic import tree_checksums  # noqa: E402
-from pipeline.config import STAGE_IDS, load_resolved  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
+from core.atomic import tree_checksums  # noqa: E402
+from core.config import STAGE_IDS, load_resolved  # noqa: E402
+from core.rundir import RunDir  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 POLL_S = 0.05

@@ -51,7 +51,7 @@ def embedded_grpo_step():
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from pipeline.config import load_config
+    from core.config import load_config
     from pipeline.driver import prepare_run
     from stages.data.examples import read_examples
     from stages.grpo.prompts import PromptSchedule
@@ -79,7 +79,7 @@ def shared_run_dir():
     deletes it when dropped (None elsewhere)."""
     import torch.distributed as dist
 
-    from pipeline.rundir import RunDir
+    from core.rundir import RunDir
 
     scratch = tempfile.TemporaryDirectory(prefix="hpcr1-bench-") if dist.get_rank() == 0 else None
     path = [scratch.name if scratch else None]
@@ -139,8 +139,8 @@ def measure(step, blocks: int, steps: int, out_dir: Path, rank: int) -> dict[str
 
 
 def profiled_block(step, steps: int, out_dir: Path, rank: int, block: int) -> tuple[float, float]:
-    from launch.comm_profiler import CommProfiler
-    from launch.phases import phase
+    from runtime.comm_profiler import CommProfiler
+    from runtime.phases import phase
 
     with CommProfiler(out_dir, "bench", rank) as prof:
         prof.set_step(block)
@@ -151,7 +151,7 @@ def profiled_block(step, steps: int, out_dir: Path, rank: int, block: int) -> tu
 def rank_main(args) -> None:
     import torch.distributed as dist
 
-    from launch.dist import shutdown_distributed
+    from runtime.dist import shutdown_distributed
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

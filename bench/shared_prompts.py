@@ -23,8 +23,8 @@ from transformers import LlamaForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.inputs import TINY_VOCAB_SIZE  # noqa: E402
+from core.config import load_config  # noqa: E402
+from stages.inputs import TINY_VOCAB_SIZE  # noqa: E402
 from stages.grpo.logprobs import response_log_probs  # noqa: E402
 from stages.grpo.rollout import sequences  # noqa: E402
 from stages.models.tiny import build_tiny_llama  # noqa: E402

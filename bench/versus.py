@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 from analysis.events import load_events  # noqa: E402
 from analysis.matching import match_calls, wait_by_rank  # noqa: E402
 from launch.local import run_stage_locally  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
+from core.config import RunConfig, load_config  # noqa: E402
 from pipeline.driver import prepare_run  # noqa: E402
-from pipeline.rundir import RunDir  # noqa: E402
+from core.rundir import RunDir  # noqa: E402
 
 PEER_FLAG = "--peer-worker"
 
@@ -121,7 +121,7 @@ def peer_setup(run_dir: str, stage_id: str):
     starting model directory), with torch seeded as our stage is."""
     import torch
 
-    from pipeline.config import load_resolved
+    from core.config import load_resolved
 
     run = RunDir(Path(run_dir))
     cfg = load_resolved(run)

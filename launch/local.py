@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.rank_failure import TORCHRUN_FAILURES
-from pipeline.rundir import RunDir
+from runtime.rank_failure import TORCHRUN_FAILURES
+from core.rundir import RunDir
 
 
 def free_port() -> int:

@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from launch.cluster import ClusterProfile
+from core.cluster import ClusterProfile
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
 VERL_TEMPLATE = TEMPLATE.with_name("verl_grpo.sbatch")

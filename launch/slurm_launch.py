@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from launch.local import repo_env, run_forwarding_usr1
-from launch.rank_failure import TORCHRUN_FAILURES
-from pipeline.rundir import RunDir
+from runtime.rank_failure import TORCHRUN_FAILURES
+from core.rundir import RunDir
 
 
 def first_host(nodelist: str) -> str:

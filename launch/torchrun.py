@@ -2,7 +2,7 @@
 runs `torchrun ARGS...` and, if ranks fail, writes to FAILURES_JSON each failed rank's exit code,
 signal and torchrun's timestamp (whole seconds), in the order torchrun saw them end. A rank killed
 by a signal leaves no record of its own: this is where the driver learns which rank it was and how
-it ended (launch.rank_failure).
+it ended (runtime.rank_failure).
 
 It also carries preemption through torchrun, which on its own would die of a USR1 (the default
 action) and report ranks that stopped to be requeued as failed: USR1 is passed on to the ranks,
@@ -19,8 +19,8 @@ import psutil
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from launch.preemption import PREEMPTED_EXIT
-from pipeline.atomic import atomic_write_text
+from runtime.preemption import PREEMPTED_EXIT
+from core.atomic import atomic_write_text
 
 
 def _forward_to_ranks(signum, frame) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import os
 import signal
@@ -44,14 +43,15 @@ def die_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
-    from launch.comm_profiler import CommProfiler
-    from launch.dist import discover_ranks, init_distributed, shutdown_distributed
-    from launch.preemption import PREEMPTED_EXIT, install_handlers
-    from launch.rank_failure import record_exception
-    from pipeline.config import RunConfig
-    from pipeline.manifest import Manifest
-    from pipeline.rundir import RunDir
-    from stages.context import StageContext
+    from runtime.comm_profiler import CommProfiler
+    from runtime.dist import discover_ranks, init_distributed, shutdown_distributed
+    from runtime.preemption import PREEMPTED_EXIT, install_handlers
+    from runtime.rank_failure import record_exception
+    from core.config import RunConfig
+    from core.manifest import Manifest
+    from core.rundir import RunDir
+    from runtime.context import StageContext
+    from stages.kinds import STAGE_RUNNERS
 
     run = RunDir(Path(run_dir))
     terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     preempted = False
     try:
         with profiler or contextlib.nullcontext():
-            stage_runner(ctx)(ctx)
+            STAGE_RUNNERS[type(ctx.stage)](ctx)
     except Exception as e:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
         record_exception(run.logs(stage_id), info.rank, e)
@@ -87,14 +87,6 @@ def leave_now(code: int) -> None:
     """Exit without the interpreter's finalisation."""
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
-
-
-def stage_runner(ctx):
-    from pipeline.config import GRPOStage, SFTStage, SynthStage
-
-    # Imported by name so that a stage loads only its own engine (megatron + DeepSpeed, or verl).
-    modules = {SFTStage: "stages.sft", GRPOStage: "stages.grpo.trainer", SynthStage: "stages.synth"}
-    return importlib.import_module(modules[type(ctx.stage)]).run
 
 
 if __name__ == "__main__":

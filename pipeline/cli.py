@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Commands whose own parser lives with their module: everything after the name is theirs (`--help`
 # included), which argparse's REMAINDER cannot pass on when it starts with an option.
-DELEGATED = {"report": "analysis.report", "commbench": "analysis.commbench"}
+DELEGATED = {"report": "analysis.report", "commbench": "launch.commbench"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = _parse(argv)
         command = lambda: args.func(args) or 0  # noqa: E731
-    from pipeline.config import ConfigError
+    from core.config import ConfigError
     from pipeline.runlock import RunDirBusy
     from stages.data.examples import DataError
 
@@ -139,8 +139,8 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def cmd_run(args) -> int:
-    from pipeline.config import load_config
-    from pipeline.rundir import RunDir
+    from core.config import load_config
+    from core.rundir import RunDir
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
@@ -160,7 +160,7 @@ def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
 def stages_exit_code(run_stages) -> int:
     """Call `run_stages()` (stages run here): 0, 1 when a stage failed, PREEMPTED_EXIT when one
     stopped on a signal with a checkpoint."""
-    from launch.preemption import PREEMPTED_EXIT
+    from runtime.preemption import PREEMPTED_EXIT
     from pipeline.driver import StageFailed, StagePreempted
 
     try:
@@ -175,9 +175,9 @@ def stages_exit_code(run_stages) -> int:
 
 
 def cmd_submit(args) -> int:
-    from launch.cluster import load_profile
-    from pipeline.config import load_config
-    from pipeline.rundir import RunDir
+    from core.cluster import load_profile
+    from core.config import load_config
+    from core.rundir import RunDir
     from pipeline.submit import submit
 
     cfg = load_config(args.config, args.overrides)
@@ -187,7 +187,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from launch.cluster import load_profile
+    from core.cluster import load_profile
     from pipeline.sweep import parse_gpu_counts, plan_sweep, run_sweep
 
     only = args.only.split(",") if args.only else None
@@ -201,9 +201,9 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from launch.cluster import load_profile
-    from pipeline.config import load_resolved
-    from pipeline.rundir import RunDir
+    from core.cluster import load_profile
+    from core.config import load_resolved
+    from core.rundir import RunDir
     from pipeline.submit import submit
 
     run = RunDir(Path(args.run_dir))
@@ -215,7 +215,7 @@ def cmd_resume(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    from pipeline.rundir import RunDir
+    from core.rundir import RunDir
     from pipeline.submit import cancel
 
     cancel(RunDir(Path(args.run_dir)))
@@ -224,7 +224,7 @@ def cmd_cancel(args) -> int:
 
 def cmd_stage(args) -> int:
     from pipeline.driver import StageFailed
-    from pipeline.rundir import RunDir
+    from core.rundir import RunDir
     from pipeline.submit import run_stage_job
 
     try:
@@ -235,7 +235,7 @@ def cmd_stage(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from pipeline.config import dump_config, load_config
+    from core.config import dump_config, load_config
 
     print(dump_config(load_config(args.config, args.overrides)), end="")
     return 0
@@ -245,9 +245,9 @@ def cmd_plan(args) -> int:
     from analysis import plan_report
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, parse_gpus, plan
-    from launch.cluster import load_profile
-    from pipeline.atomic import atomic_write_text
-    from pipeline.config import ConfigError, load_config
+    from core.cluster import load_profile
+    from core.atomic import atomic_write_text
+    from core.config import ConfigError, load_config
 
     gpus = parse_gpus(args.gpus)
     if args.prompt_tokens < 1:
@@ -269,7 +269,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from pipeline.config import ConfigError
+    from core.config import ConfigError
     from pipeline.status import stage_rows
 
     if not (Path(args.run_dir) / "manifest.json").exists():

@@ -12,14 +12,14 @@ import shutil
 from pathlib import Path
 
 from launch.local import run_stage_locally
-from launch.preemption import PREEMPTED_EXIT
-from launch.rank_failure import forget_failures, stage_error
-from pipeline.atomic import atomic_write_text, tree_checksums
-from pipeline.config import ConfigError, RunConfig, dump_config
+from runtime.preemption import PREEMPTED_EXIT
+from runtime.rank_failure import forget_failures, stage_error
+from core.atomic import atomic_write_text, tree_checksums
+from core.config import ConfigError, RunConfig, dump_config
 from pipeline.fingerprint import changed_parts, digest, input_parts
-from pipeline.inputs import load_task, prepare_inputs
-from pipeline.manifest import Manifest
-from pipeline.rundir import RunDir
+from stages.inputs import load_task, prepare_inputs
+from core.manifest import Manifest
+from core.rundir import RunDir
 from pipeline.runlock import hold_run_dir
 from stages.checkpoint import CheckpointDir
 from stages.engines.verl_trainer import refuse_local_verl

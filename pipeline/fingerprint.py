@@ -8,9 +8,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from pipeline.atomic import file_sha256
-from pipeline.config import GRPOStage, RunConfig, SFTStage, SynthStage
-from pipeline.rundir import RunDir
+from core.atomic import file_sha256
+from core.config import GRPOStage, RunConfig, SFTStage, SynthStage
+from core.rundir import RunDir
 
 
 def digest(value) -> str:

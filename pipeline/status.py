@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 from launch.slurm_jobs import job_states
-from pipeline.manifest import Manifest
-from pipeline.rundir import RunDir
+from core.manifest import Manifest
+from core.rundir import RunDir
 
 
 def last_step(metrics: Path) -> int | None:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from launch.cluster import ClusterProfile
+from core.cluster import ClusterProfile
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import requeue_self, run_stage_in_allocation
-from pipeline.atomic import atomic_write_text
-from pipeline.config import ConfigError, RunConfig, load_resolved
+from core.atomic import atomic_write_text
+from core.config import ConfigError, RunConfig, load_resolved
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
-from pipeline.manifest import Manifest
-from pipeline.rundir import RunDir
+from core.manifest import Manifest
+from core.rundir import RunDir
 from pipeline.runlock import hold_run_dir
-from stages.engines.verl_job import run_verl_stage
+from launch.verl_job import run_verl_stage
 from stages.engines.verl_trainer import check_verl_stage, verl_stages
 
 

@@ -20,11 +20,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.cluster import ClusterProfile
-from pipeline.atomic import atomic_write_text
-from pipeline.config import ConfigError, GRPOStage, RunConfig, SFTStage, SynthStage, load_config
+from core.cluster import ClusterProfile
+from core.atomic import atomic_write_text
+from core.config import ConfigError, GRPOStage, RunConfig, SFTStage, SynthStage, load_config
 from pipeline.driver import check_run, prepare_run, run_pipeline
-from pipeline.rundir import RunDir
+from core.rundir import RunDir
 from pipeline.submit import submit
 
 SWEEP_FILE = "sweep.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipeline.atomic import atomic_write_text, file_sha256, tree_checksums
+from core.atomic import atomic_write_text, file_sha256, tree_checksums
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"

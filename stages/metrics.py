@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from launch.phases import take_phase_times
+from runtime.phases import take_phase_times
 
 
 class MetricsLogger:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from launch.phases import phase, take_phase_times
-from pipeline.atomic import atomic_write_text
-from stages.context import StageContext
+from runtime.phases import phase, take_phase_times
+from core.atomic import atomic_write_text
+from runtime.context import StageContext
 from stages.data.examples import Example, read_examples, write_examples
 from stages.engines.ddp import load_replicated
 from stages.generation import generate_responses

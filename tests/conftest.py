@@ -52,7 +52,7 @@ def resumed_steps(run_dir: Path, stage_id: str = "stage1_sft") -> list[int]:
 def snapshot(root: Path) -> dict[str, str]:
     """Every path under root with its content's sha256 (directories and links marked as such):
     equal snapshots mean nothing was added, removed or changed."""
-    from pipeline.atomic import file_sha256
+    from core.atomic import file_sha256
 
     def state(p: Path) -> str:
         if p.is_symlink():

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoConfig
 
-from launch.phases import phase
-from pipeline.config import SFTStage
+from runtime.phases import phase
+from core.config import SFTStage
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron

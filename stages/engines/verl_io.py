@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launch.trace_parser import parse_trace
-from pipeline.atomic import atomic_write_text
+from runtime.trace_parser import parse_trace
+from core.atomic import atomic_write_text
 from stages.data.examples import DataError, Example
 
 # verl's record_function ranges (DistProfiler.annotate roles) -> our GRPO phases

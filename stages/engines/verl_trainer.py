@@ -3,7 +3,7 @@
 
 Every key below is one the installed verl's `ppo_trainer` config has (Hydra rejects any other);
 tests/unit/test_verl_engine.py composes the 70B config to prove it. What runs the trainer on a
-cluster (Ray, vLLM) lives in stages/engines/verl_job.py and slurm/templates/verl_grpo.sbatch.
+cluster (Ray, vLLM) lives in launch/verl_job.py and slurm/templates/verl_grpo.sbatch.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.config import ConfigError, GRPOStage, RunConfig
-from pipeline.rundir import RunDir
+from core.config import ConfigError, GRPOStage, RunConfig
+from core.rundir import RunDir
 
 DATA_SOURCE = "hpcr1"  # the parquet rows' data_source: names our reward in verl's metrics
 REWARD_MODULE = Path(__file__).with_name("verl_reward.py")

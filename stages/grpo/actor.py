@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from verl.protocol import DataProto
 
-from pipeline.config import GRPOStage
+from core.config import GRPOStage
 from stages.engines import ddp, fsdp2, state_dicts
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.losses import actor_loss, policy_loss_config

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import GRPOStage
+from core.config import GRPOStage
 from stages.engines import ddp, fsdp2
 
 

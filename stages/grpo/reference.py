@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from verl.protocol import DataProto
 
-from pipeline.config import GRPOStage
+from core.config import GRPOStage
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.placement import load_role_model
 

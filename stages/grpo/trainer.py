@@ -4,7 +4,6 @@ named phase, with the phase wall times in the step's metrics. Resumable from the
 checkpoint: the prompt order and the sampling seeds are functions of (seed, step, rank)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -12,9 +11,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 from verl.protocol import DataProto
 
-from launch.phases import phase
-from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
-from stages.context import StageContext
+from runtime.phases import phase
+from runtime.context import StageContext
 from stages.data.examples import read_examples
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
@@ -23,8 +21,7 @@ from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
 from stages.grpo.rollout import Rollout
-from stages.handoff import checkpoint_boundary, finish
-from stages.metrics import MetricsLogger
+from stages.training_loop import train
 
 
 @dataclass
@@ -107,32 +104,11 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
 
 
 def run(ctx: StageContext) -> None:
-    stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
-    init_dir = run.model_dir(stage.init_from)
+    stage, cfg = ctx.stage, ctx.cfg
+    init_dir = ctx.run.model_dir(stage.init_from)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    schedule = PromptSchedule(read_examples(run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
+    schedule = PromptSchedule(read_examples(ctx.run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
     roles = build_roles(init_dir, tokenizer, stage)
-
-    ckpts = CheckpointDir(run.ckpt(ctx.stage_id), keep=stage.keep_checkpoints)
-    step = 0
-    resume = agreed_resume_step(ckpts)
-    if resume is not None:
-        step = roles.actor.load(ckpts.root / step_name(resume))["step"]
-        ctx.log.info("resumed from step %d", step)
-    metrics = MetricsLogger(run.metrics(ctx.stage_id), ctx.is_main, step, cfg.wandb.mode, cfg.wandb.project,
-                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
-    bar = ctx.progress(stage.steps, initial=step)
-    while step < stage.steps:
-        ctx.begin_step(step + 1)
-        started, started_wall = time.perf_counter(), time.time()
-        stats = train_step_at(roles, schedule, stage, cfg.seed, step)
-        step += 1
-        elapsed = time.perf_counter() - started
-        metrics.log_step(step, stats, started_wall, elapsed, {"samples": stage.prompts_per_step * stage.group_size})
-        bar.update()
-        bar.set_postfix(reward=f"{stats['reward/mean']:.3f}", acc=f"{stats['accuracy']:.2f}")
-        checkpoint_boundary(ctx, roles.actor, ckpts, step)
-    bar.close()
-    metrics.close()
-    ctx.log.info("training done at step %d", step)
-    finish(ctx, roles.actor, init_dir)
+    samples = {"samples": stage.prompts_per_step * stage.group_size}
+    train(ctx, roles.actor, init_dir, lambda step: (train_step_at(roles, schedule, stage, cfg.seed, step), samples),
+          lambda stats: {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"})

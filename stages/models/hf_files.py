@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline.atomic import atomic_write_text, file_sha256
+from core.atomic import atomic_write_text, file_sha256
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -146,7 +146,7 @@ class HFDirWriter:
     """Writes the tensors of `specs` into out_dir as they come, in any order: one model.safetensors,
     or model-0000i-of-0000N.safetensors files with their index when they exceed max_shard_bytes.
     `finish` checks every tensor came and adds config.json and the tokenizer's files. The caller
-    writes into a staging directory and renames it (stages/handoff.finish): a crash leaves no
+    writes into a staging directory and renames it (stages/training_loop.finish): a crash leaves no
     half-written model where a model is expected."""
 
     def __init__(self, out_dir: Path, specs: list[TensorSpec], max_shard_bytes: int = MAX_SHARD_BYTES):

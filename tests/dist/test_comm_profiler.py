@@ -136,7 +136,7 @@ def test_mpi_calls_are_recorded_with_their_sizes(tmp_path):
 
 
 def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):
-    from launch.trace_parser import parse_trace
+    from runtime.trace_parser import parse_trace
 
     events = run_worker("comm_trace.py", tmp_path / "stage")
     for rank in (0, 1):
@@ -150,7 +150,7 @@ def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):
 
 def test_commbench_writes_latency_and_bus_bandwidth_per_op_and_size(tmp_path):
     out = tmp_path / "commbench.json"
-    proc = subprocess.run([sys.executable, "-m", "analysis.commbench", "--sizes", "1K,64K", "--iters", "3",
+    proc = subprocess.run([sys.executable, "-m", "launch.commbench", "--sizes", "1K,64K", "--iters", "3",
                            "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from pipeline.config import load_config
+from core.config import load_config
 from pipeline.driver import prepare_run
-from pipeline.rundir import RunDir
+from core.rundir import RunDir
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.dist

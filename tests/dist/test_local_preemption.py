@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from launch.preemption import PREEMPTED_EXIT
+from runtime.preemption import PREEMPTED_EXIT
 from tests.conftest import hpcr1_run, resumed_steps
 from tests.dist.test_rank_failure import wait_until
 

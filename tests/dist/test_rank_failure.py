@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.rank_failure import FAIL_AT_ENV
+from runtime.rank_failure import FAIL_AT_ENV
 from tests.conftest import REPO, hpcr1_env, hpcr1_run, resumed_steps
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -10,10 +10,10 @@ from collections import Counter
 
 import pytest
 
-from pipeline.atomic import file_sha256, tree_checksums
-from pipeline.config import load_config
+from core.atomic import file_sha256, tree_checksums
+from core.config import load_config
 from pipeline.driver import prepare_run
-from pipeline.rundir import RunDir
+from core.rundir import RunDir
 from tests.conftest import REPO, run_torchrun
 
 pytestmark = pytest.mark.dist

@@ -50,11 +50,11 @@ def test_a_verl_stage_is_done_only_once_its_results_are_ours(tmp_path, torchrun)
 
     import yaml
 
-    from pipeline.config import load_config
+    from core.config import load_config
     from pipeline.driver import prepare_run, rerun_reason, run_stage
-    from pipeline.manifest import Manifest
-    from pipeline.rundir import RunDir
-    from stages.engines.verl_job import finish_verl_stage
+    from core.manifest import Manifest
+    from core.rundir import RunDir
+    from launch.verl_job import finish_verl_stage
     from stages.engines.verl_trainer import verl_paths
 
     config = tmp_path / "verl.yaml"

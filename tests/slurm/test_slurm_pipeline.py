@@ -162,7 +162,7 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
     """Rank 1 leaves at once, rank 0 tears down for 60 s: srun (with the stage launcher's options)
     TERMs rank 0 when rank 1's 75 comes, and must still report 75, not 143 (which fails the stage)."""
     rank = tmp_path / "rank.py"
-    rank.write_text("import os, time\nfrom launch.preemption import leave_for_requeue\n"
+    rank.write_text("import os, time\nfrom runtime.preemption import leave_for_requeue\n"
                     "try:\n    leave_for_requeue()\nfinally:\n"
                     "    if os.environ['SLURM_PROCID'] == '0':\n        time.sleep(60)\n")
     launcher = srun_command(tmp_path, "stage1_sft", "srun")

@@ -93,7 +93,7 @@ def test_bad_override_exits_2_naming_the_field(case, tmp_path, capsys):
 
 def test_short_exponent_floats_read_as_numbers(tmp_path):
     """YAML 1.1 reads `1e-4` as a string; a learning rate written that way must work, in the file too."""
-    from pipeline.config import load_config
+    from core.config import load_config
 
     path = tmp_path / "c.yaml"
     config = {**BASE, "stage1_sft": {**BASE.get("stage1_sft", {}), "lr": "LR"}}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 from stages.checkpoint import CheckpointDir, CheckpointWriteError, step_name
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from analysis.bandwidth import bus_bandwidth
 from analysis.breakdown import StageSummary
-from analysis.commbench import parse_size
+from launch.commbench import parse_size
 from analysis.events import load_events
 from analysis.matching import match_calls, wait_by_rank
 from analysis.overlap import overlap_fraction

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.trace_parser import parse_trace
+from runtime.trace_parser import parse_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nccl_trace_h100_torch211.json"
 

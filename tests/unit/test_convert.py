@@ -194,7 +194,7 @@ def test_saved_dir_loads_with_transformers_and_generates(tmp_path):
 
 
 def test_weights_sha256_is_the_file_hash_or_covers_every_shard(hf_model, tmp_path):
-    from pipeline.atomic import file_sha256
+    from core.atomic import file_sha256
     from stages.models.hf_files import weights_sha256
 
     hf = hf_model.state_dict()

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.cli import main
-from pipeline.config import RunConfig, Section, load_config
+from core.config import RunConfig, Section, load_config
 from pipeline.driver import prepare_run
-from pipeline.manifest import Manifest
-from pipeline.rundir import RunDir
+from core.manifest import Manifest
+from core.rundir import RunDir
 from tests.conftest import REPO, hpcr1_env, snapshot
 
 BASE = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())

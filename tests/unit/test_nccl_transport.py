@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from launch.nccl_transport import SOCKET_WARNING, detect_transport
+from analysis.nccl_transport import SOCKET_WARNING, detect_transport
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -111,7 +111,7 @@ def test_plan_of_an_hf_config_without_config_json_names_model_path(capsys, tmp_p
 
 def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference():
     from analysis.memory import grpo_footprint
-    from pipeline.config import GRPOStage
+    from core.config import GRPOStage
 
     shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
     n = 8
@@ -133,7 +133,7 @@ def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference(
 
 def test_ddp_counts_the_whole_actor_and_reference_on_every_rank():
     from analysis.memory import grpo_footprint
-    from pipeline.config import GRPOStage
+    from core.config import GRPOStage
 
     shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
 

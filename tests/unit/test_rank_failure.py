@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from launch.rank_failure import (FAIL_AT_ENV, TORCHRUN_FAILURES, InjectedFailure, fail_if_asked, forget_failures,
+from runtime.rank_failure import (FAIL_AT_ENV, TORCHRUN_FAILURES, InjectedFailure, fail_if_asked, forget_failures,
                                  record_path, stage_error)
 
 

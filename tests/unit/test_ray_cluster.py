@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.cluster import RayPorts, load_profile
+from core.cluster import RayPorts, load_profile
 from launch.local import free_port
 from launch.ray_cluster import gpu_nodes, wait_for_nodes
-from pipeline.config import ConfigError
+from core.config import ConfigError
 
 
 def test_only_live_nodes_with_enough_gpus_count():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import load_config
+from core.config import load_config
 from pipeline.driver import run_pipeline
-from pipeline.rundir import RunDir
+from core.rundir import RunDir
 from stages.checkpoint import CheckpointDir
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import write_examples

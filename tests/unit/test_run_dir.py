@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.manifest import Manifest
+from core.config import load_config
+from core.manifest import Manifest
 from stages.checkpoint import CheckpointDir
 from stages.data.sft_batches import GlobalBatchOrder, Sample, count_loss_tokens, micro_batches
 from tests.conftest import REPO

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 from pipeline.cli import main
-from pipeline.config import dump_config, load_config
-from pipeline.rundir import RunDir
+from core.config import dump_config, load_config
+from core.rundir import RunDir
 from pipeline.runlock import RunDirBusy, hold_run_dir
 from tests.conftest import REPO, SMALL_RUN, snapshot
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.cluster import load_profile
+from core.cluster import load_profile
 from launch.sbatch import render_stage_script, sbatch_command
 from launch.slurm_launch import srun_command
 
@@ -92,7 +92,7 @@ def test_hostile_run_dir_stays_one_inert_argument(hostile, tmp_path):
 
 
 def test_hostile_profile_values_are_rejected(tmp_path):
-    from pipeline.config import ConfigError
+    from core.config import ConfigError
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\naccount: \"m1234\\n#SBATCH --wrap=touch /tmp/pwned\"\n")

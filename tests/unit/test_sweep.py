@@ -12,7 +12,7 @@ import yaml
 
 from analysis.scaling import comm_fraction, scaling
 from pipeline.cli import main
-from pipeline.config import dump_config, load_config
+from core.config import dump_config, load_config
 from tests.conftest import REPO
 
 CONFIG = REPO / "configs" / "llama-3.1-8b.yaml"

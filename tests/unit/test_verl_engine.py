@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.trace_parser import parse_trace
+from runtime.trace_parser import parse_trace
 from pipeline.cli import main
-from pipeline.config import ConfigError, load_config
-from pipeline.rundir import RunDir
+from core.config import ConfigError, load_config
+from core.rundir import RunDir
 from stages.engines.verl_io import VERL_PHASES, held_out_result, traces_to_events
 from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
 from stages.rewards.math_reward import score

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from verl.protocol import DataProto
 
-from launch.dist import shutdown_distributed
+from runtime.dist import shutdown_distributed
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.rollout import sequences
 

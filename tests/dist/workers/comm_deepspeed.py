@@ -11,9 +11,9 @@ import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import shutdown_distributed
-from launch.phases import phase
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import shutdown_distributed
+from runtime.phases import phase
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from launch.comm_profiler import CommProfiler
-from launch.mpi_profiler import ProfiledComm
-from launch.phases import phase
+from runtime.comm_profiler import CommProfiler
+from runtime.mpi_profiler import ProfiledComm
+from runtime.phases import phase
 
 N = 1000  # float64 elements: 8000 bytes
 

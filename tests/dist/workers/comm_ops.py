@@ -13,9 +13,9 @@ from torch.distributed import all_reduce as all_reduce_imported_early  # a calle
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.fsdp import fully_shard
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import shutdown_distributed
-from launch.phases import phase
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import shutdown_distributed
+from runtime.phases import phase
 
 N = 1000  # float32 elements per tensor: 4000 bytes
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import shutdown_distributed
-from launch.phases import phase
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import shutdown_distributed
+from runtime.phases import phase
 
 SLOW_RANK, DELAY_S, CALLS = 1, 0.3, 3
 

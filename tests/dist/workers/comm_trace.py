@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import shutdown_distributed
-from launch.phases import phase
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import shutdown_distributed
+from runtime.phases import phase
 
 
 def main(out_dir: str) -> None:

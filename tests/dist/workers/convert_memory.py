@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from launch.dist import init_distributed, shutdown_distributed
+from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from launch.dist import init_distributed, shutdown_distributed
+from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2, state_dicts
 from tests.dist.workers.results import print_result
 

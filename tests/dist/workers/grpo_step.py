@@ -15,9 +15,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 from verl.protocol import DataProto
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import shutdown_distributed
-from pipeline.config import GRPOStage
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import shutdown_distributed
+from core.config import GRPOStage
 from stages.grpo.actor import Actor
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.prompts import rank_share

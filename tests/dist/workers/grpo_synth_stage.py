@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from launch.dist import init_distributed, shutdown_distributed
-from pipeline.config import RunConfig
-from pipeline.rundir import RunDir
+from runtime.dist import init_distributed, shutdown_distributed
+from core.config import RunConfig
+from core.rundir import RunDir
 from stages import synth
-from stages.context import StageContext
+from runtime.context import StageContext
 
 
 def stub_responses(model, tokenizer, prompts, max_new_tokens, temperature, top_p):

@@ -13,7 +13,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from launch.dist import init_distributed, shutdown_distributed
+from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
 from stages.models.hf_files import read_hf_weights, save_hf_dir

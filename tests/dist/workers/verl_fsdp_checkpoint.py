@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
-from launch.dist import shutdown_distributed
+from runtime.dist import shutdown_distributed
 
 
 def main(model_dir: str, ckpt_root: str, step: int) -> None:

@@ -5,7 +5,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 
 STATES = ("pending", "running", "done", "failed")
 

@@ -8,11 +8,11 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from launch.comm_profiler import CommProfiler
-from launch.dist import RankInfo
-from launch.rank_failure import fail_if_asked
-from pipeline.config import RunConfig
-from pipeline.rundir import RunDir
+from runtime.comm_profiler import CommProfiler
+from runtime.dist import RankInfo
+from runtime.rank_failure import fail_if_asked
+from core.config import RunConfig
+from core.rundir import RunDir
 
 
 @dataclass
@@ -26,7 +26,7 @@ class StageContext:
 
     def begin_step(self, step: int) -> None:
         """Tag what follows (communication events) with the step about to run; fail here if a test
-        asked this rank to (launch.rank_failure.FAIL_AT_ENV)."""
+        asked this rank to (runtime.rank_failure.FAIL_AT_ENV)."""
         fail_if_asked(self.rank.rank, step)
         if self.profiler is not None:
             self.profiler.set_step(step)

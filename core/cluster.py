@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipeline.config import ConfigError, Section
+from core.config import ConfigError, Section
 
 PROFILES = Path(__file__).resolve().parents[1] / "slurm" / "profiles"
 # Values that go into #SBATCH lines: sbatch parses those lines itself, so they must be plain tokens.

@@ -7,7 +7,7 @@ under it (same "External id" as the call or its `nccl:` annotation). Gloo traces
 record_param_comms: the `c10d::<op>` cpu_op gives the op and the tensors' dims, and the `gloo:<op>`
 annotation that the gloo thread runs next gives the dtype and the completion (its duration includes
 waiting for peers). Gloo traces name no group: the world group (distributedInfo) is assumed.
-Phases come from the enclosing `phase:<name>` ranges (launch/phases.py), or from ranges another
+Phases come from the enclosing `phase:<name>` ranges (runtime/phases.py), or from ranges another
 trainer names (`phase_names`: verl's role annotations), steps from ProfilerStep#N. Traces may be
 gzipped (verl writes .json.gz).
 """
@@ -18,7 +18,7 @@ import json
 from bisect import bisect_right
 from pathlib import Path
 
-from launch.comm_profiler import C10D_OPS, PER_RANK_PIECE
+from runtime.comm_profiler import C10D_OPS, PER_RANK_PIECE
 
 NCCL_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "_allgather_base": "all_gather",
               "allgather": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.phases import current_phase
+from runtime.phases import current_phase
 
 # DESIGN.md's schema, plus async_op: whether the caller went on working while the call ran (the only
 # calls whose time can overlap compute; analysis/overlap.py), and t_wait: when the caller began waiting

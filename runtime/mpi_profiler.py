@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from launch.comm_profiler import active_profiler
+from runtime.comm_profiler import active_profiler
 
 # method -> (op name, index of the peer argument or None)
 BUFFER_CALLS = {

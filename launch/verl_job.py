@@ -18,11 +18,11 @@ import traceback
 from pathlib import Path
 
 from launch.local import repo_env
-from launch.preemption import PREEMPTED_EXIT
-from launch.rank_failure import record_exception
-from pipeline.atomic import atomic_write_text
-from pipeline.config import load_resolved
-from pipeline.rundir import RunDir
+from runtime.preemption import PREEMPTED_EXIT
+from runtime.rank_failure import record_exception
+from core.atomic import atomic_write_text
+from core.config import load_resolved
+from core.rundir import RunDir
 from stages.data.examples import DataError, read_examples
 from stages.engines.verl_io import (check_prompt_lengths, held_out_result, latest_step, merge_to_final,
                                     traces_to_events, verl_rows, write_metrics, write_parquet)

@@ -79,7 +79,7 @@ def run_torch(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from launch.dist import init_distributed, shutdown_distributed
+    from runtime.dist import init_distributed, shutdown_distributed
 
     info = init_distributed(args.backend)
     device = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
@@ -152,12 +152,12 @@ def under_launcher() -> bool:
 
 
 def relaunch(args, argv: list[str]) -> int:
-    me = [sys.executable, "-m", "analysis.commbench", *argv]
+    me = [sys.executable, "-m", "launch.commbench", *argv]
     if args.backend == "mpi":
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *me]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "-m",
-               "analysis.commbench", *argv]
+               "launch.commbench", *argv]
     return subprocess.run(cmd).returncode
 
 

@@ -9,9 +9,9 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline.atomic import atomic_write_text
-from pipeline.config import RunConfig, resolve_path
-from pipeline.rundir import RunDir
+from core.atomic import atomic_write_text
+from core.config import RunConfig, resolve_path
+from core.rundir import RunDir
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import Example, read_examples, write_examples
 

@@ -10,7 +10,7 @@ The surviving ranks are not left blocked in a collective: the failed rank's proc
 (launch.worker skips the interpreter's slow orderly exit), gloo raises on the others as soon as its
 sockets close, and torchrun sends SIGTERM to every rank still running, then SIGKILL 30 s later
 (torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). No handler of ours
-delays the SIGTERM: launch.preemption takes only USR1.
+delays the SIGTERM: runtime.preemption takes only USR1.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pipeline.atomic import atomic_write_text
+from core.atomic import atomic_write_text
 
 # Test seam: "rank=1,step=3" makes rank 1 raise InjectedFailure as step 3 begins (StageContext.begin_step).
 FAIL_AT_ENV = "HPCR1_FAIL_AT"

@@ -1,0 +1,102 @@
+"""The loop every training stage runs, for any engine with `load(dir)`, `save(dir, state)`,
+`export_hf(dir, tokenizer_dir)` and `close()`: resume from the newest checkpoint all ranks agree on,
+train step by step with metrics and a progress bar, checkpoint (periodically, or on a preemption
+signal), then export final/ and evaluate it on the held-out set."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from runtime.phases import phase
+from runtime.preemption import leave_for_requeue, stop_requested
+from core.atomic import atomic_write_text
+from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
+from runtime.context import StageContext
+from stages.data.examples import read_examples
+from stages.eval import evaluate_model_dir
+from stages.metrics import MetricsLogger
+
+# step -> (the step's metrics, its counts for throughput: {"samples": n, ...})
+StepFn = Callable[[int], tuple[dict[str, float], dict[str, float]]]
+
+
+def train(ctx: StageContext, engine, init_dir, train_step: StepFn, postfix: Callable[[dict], dict]) -> None:
+    """Run `train_step(step)` (0-based) from the resumed step to `stage.steps`, then finish."""
+    stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
+    ckpts = CheckpointDir(run.ckpt(ctx.stage_id), keep=stage.keep_checkpoints)
+    step = resume(ctx, engine, ckpts)
+    metrics = MetricsLogger(run.metrics(ctx.stage_id), ctx.is_main, step, cfg.wandb.mode, cfg.wandb.project,
+                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
+    bar = ctx.progress(stage.steps, initial=step)
+    while step < stage.steps:
+        ctx.begin_step(step + 1)
+        started, started_wall = time.perf_counter(), time.time()
+        stats, counts = train_step(step)
+        step += 1
+        metrics.log_step(step, stats, started_wall, time.perf_counter() - started, counts)
+        bar.set_postfix(postfix(stats), refresh=False)
+        bar.update()
+        checkpoint_boundary(ctx, engine, ckpts, step)
+    bar.close()
+    metrics.close()
+    ctx.log.info("training done at step %d", step)
+    finish(ctx, engine, init_dir)
+
+
+def resume(ctx: StageContext, engine, ckpts: CheckpointDir) -> int:
+    """The step to continue from: that of the newest checkpoint every rank verified, else 0."""
+    step = agreed_resume_step(ckpts)
+    if step is None:
+        return 0
+    step = engine.load(ckpts.root / step_name(step))["step"]
+    ctx.log.info("resumed from step %d", step)
+    return step
+
+
+def save_checkpoint(engine, ckpts: CheckpointDir, step: int) -> None:
+    with phase("checkpoint"), ckpts.writing(step) as staging:
+        engine.save(staging, {"step": step})
+        if dist.get_rank() == 0:
+            ckpts.seal(step)
+        dist.barrier()
+
+
+def checkpoint_boundary(ctx: StageContext, engine, ckpts: CheckpointDir, step: int) -> None:
+    """After `step`: checkpoint every `checkpoint_every` steps and at the end; on a preemption
+    signal, checkpoint and leave with the exit code that makes the driver start the stage again."""
+    if step % ctx.stage.checkpoint_every == 0 or step == ctx.stage.steps:
+        save_checkpoint(engine, ckpts, step)
+    elif stop_requested():
+        save_checkpoint(engine, ckpts, step)
+        ctx.log.info("stopping at step %d on request; the next attempt resumes here", step)
+        leave_for_requeue()
+
+
+def finish(ctx: StageContext, engine, init_dir) -> None:
+    """Export final/ (written aside and renamed, so a half-written final/ never exists) and score it."""
+    final = ctx.run.final(ctx.stage_id)
+    staging = final.with_name("final.tmp")
+    if ctx.is_main:
+        # Left by an attempt that died while exporting: its files must not mix with these.
+        shutil.rmtree(staging, ignore_errors=True)
+    dist.barrier()
+    engine.export_hf(staging, tokenizer_dir=init_dir)
+    if ctx.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    dist.barrier()
+    engine.close()
+    ctx.log.info("exported %s", final)
+    cfg = ctx.cfg
+    examples = read_examples(ctx.run.task_file("eval"))[: cfg.eval.num_examples]
+    ctx.begin_step(ctx.stage.steps + 1)  # the evaluation's own step in the profile
+    with phase("eval"):
+        result = evaluate_model_dir(final, examples, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+    if ctx.is_main:
+        atomic_write_text(ctx.run.eval_result(ctx.stage_id), json.dumps(result))
+        ctx.log.info("held-out accuracy %.3f on %d examples", result["accuracy"], result["n"])
