@@ -4,6 +4,7 @@ Times are per-rank averages (sum over ranks / number of ranks) unless a table sa
 Bus bandwidth uses the transfer time of matched calls (after the last rank arrived), so that
 waiting for a straggler does not read as a slow network; unmatched calls use their own duration.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -30,6 +31,7 @@ def duration(e: dict) -> float:
 @dataclass
 class Volume:
     """Communication of one (phase, op) cell: calls, bytes S (nccl-tests' sense) and seconds."""
+
     calls: float = 0
     bytes: float = 0
     seconds: float = 0.0
@@ -76,18 +78,32 @@ class StageSummary:
         for op in sorted({e["op"] for e in self.events}):
             mine = [e for e in self.events if e["op"] == op]
             per_rank = max(1, len(self.ranks))
-            rows.append((op, len(mine) // per_rank, sum(e["bytes"] for e in mine) // per_rank,
-                         self.per_rank_mean(sum(duration(e) for e in mine)), self.median_busbw(op) / 1e9))
+            rows.append(
+                (
+                    op,
+                    len(mine) // per_rank,
+                    sum(e["bytes"] for e in mine) // per_rank,
+                    self.per_rank_mean(sum(duration(e) for e in mine)),
+                    self.median_busbw(op) / 1e9,
+                )
+            )
         return sorted(rows, key=lambda r: -r[3])
 
     def bandwidth_points(self, op: str) -> list[tuple[int, float]]:
         """(bytes, bus bandwidth B/s) for each call of `op`, one point per matched call."""
         matched = {(c.group_ranks, c.attempt, c.seq) for c in self.calls if c.op == op}
-        points = [(c.bytes, bus_bandwidth(op, c.bytes, c.transfer_s, len(c.group_ranks)))
-                  for c in self.calls if c.op == op and c.transfer_s > 0]
-        points += [(e["bytes"], bus_bandwidth(op, e["bytes"], duration(e), e["group_size"])) for e in self.events
-                   if e["op"] == op and (tuple(e["group_ranks"]), e["attempt"], e["seq"]) not in matched
-                   and duration(e) > 0]
+        points = [
+            (c.bytes, bus_bandwidth(op, c.bytes, c.transfer_s, len(c.group_ranks)))
+            for c in self.calls
+            if c.op == op and c.transfer_s > 0
+        ]
+        points += [
+            (e["bytes"], bus_bandwidth(op, e["bytes"], duration(e), e["group_size"]))
+            for e in self.events
+            if e["op"] == op
+            and (tuple(e["group_ranks"]), e["attempt"], e["seq"]) not in matched
+            and duration(e) > 0
+        ]
         return [p for p in points if p[0] > 0]
 
     def median_busbw(self, op: str) -> float:
@@ -121,7 +137,11 @@ class StageSummary:
         rows = []
         for name in sorted({top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())):
             mine = [e for e in rank0 if top_phase(e["phase"]) == name]
-            exposed = length([(e["t_start"], e["t_end"]) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
+            exposed = (
+                length([(e["t_start"], e["t_end"]) for e in mine]) * (1 - overlap_fraction(mine))
+                if mine
+                else 0.0
+            )
             wall = self._top_level_walls().get(name, exposed)
             rows.append((name, wall, exposed, max(0.0, wall - exposed)))
         return rows
@@ -135,8 +155,15 @@ class StageSummary:
         rows = []
         for rank in self.ranks:
             mine = [e for e in self.events if e["rank"] == rank]
-            rows.append((rank, sum(duration(e) for e in mine), waits.get(rank, 0.0), slow.get(rank, 0),
-                         overlap_fraction(mine)))
+            rows.append(
+                (
+                    rank,
+                    sum(duration(e) for e in mine),
+                    waits.get(rank, 0.0),
+                    slow.get(rank, 0),
+                    overlap_fraction(mine),
+                )
+            )
         return rows
 
     def imbalance(self) -> float:
@@ -149,8 +176,20 @@ class StageSummary:
         """The k matched calls with the most time summed over ranks:
         (op, phase, step, bytes, ranks, seconds over ranks, transfer s, slow rank, its lead s)."""
         ranked = sorted(self.calls, key=lambda c: -sum(duration(e) for e in c.events.values()))[:k]
-        return [(c.op, c.phase, c.step, c.bytes, len(c.group_ranks), sum(duration(e) for e in c.events.values()),
-                 c.transfer_s, c.slow_rank, max(c.wait(r) for r in c.events)) for c in ranked]
+        return [
+            (
+                c.op,
+                c.phase,
+                c.step,
+                c.bytes,
+                len(c.group_ranks),
+                sum(duration(e) for e in c.events.values()),
+                c.transfer_s,
+                c.slow_rank,
+                max(c.wait(r) for r in c.events),
+            )
+            for c in ranked
+        ]
 
     def message_sizes(self) -> list[int]:
         return [e["bytes"] for e in self.events if e["rank"] == self.ranks[0] and e["bytes"] > 0]

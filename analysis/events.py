@@ -1,5 +1,6 @@
 """Reading a run directory back: the communication events of each stage (profile/rank-*.jsonl) and
 the per-step phase wall times (metrics.jsonl, keys "phase_time/<phase>")."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def stage_dirs(run_dir: Path) -> list[Path]:
     """Stages that left a profile; stage ids sort in pipeline order (stage1_..., stage2_...)."""
-    return [d for d in sorted(Path(run_dir).iterdir()) if d.is_dir() and any((d / "profile").glob("rank-*.jsonl"))]
+    return [
+        d for d in sorted(Path(run_dir).iterdir()) if d.is_dir() and any((d / "profile").glob("rank-*.jsonl"))
+    ]
 
 
 def load_events(stage_dir: Path) -> list[dict]:

@@ -1,4 +1,5 @@
 """The report's figures (matplotlib, Agg): each function draws one PNG and returns its path."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -53,8 +54,11 @@ def grpo_panels(s: StageSummary, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
     ops = sorted({op for per in panels.values() for op in per})
     for ax, (panel, per) in zip(axes, panels.items()):
-        ax.bar(ops, [per[op].seconds * 1e3 if op in per else 0.0 for op in ops],
-               color=[f"C{i}" for i in range(len(ops))])
+        ax.bar(
+            ops,
+            [per[op].seconds * 1e3 if op in per else 0.0 for op in ops],
+            color=[f"C{i}" for i in range(len(ops))],
+        )
         ax.set_title(panel)
         ax.tick_params(axis="x", rotation=45, labelsize=7)
     axes[0].set_ylabel("communication ms per rank")
@@ -70,8 +74,13 @@ def bandwidth_vs_size(s: StageSummary, path: Path, commbench: dict | None) -> Pa
             ax.scatter([b for b, _ in points], [bw / 1e9 for _, bw in points], s=10, color=f"C{i}", label=op)
         bench = (commbench or {}).get("results", {}).get("send_recv" if op in ("send", "recv") else op)
         if bench:
-            ax.plot([r["bytes"] for r in bench], [r["busbw_GBps"] for r in bench], color=f"C{i}", linestyle="--",
-                    label=f"{op} (commbench)")
+            ax.plot(
+                [r["bytes"] for r in bench],
+                [r["busbw_GBps"] for r in bench],
+                color=f"C{i}",
+                linestyle="--",
+                label=f"{op} (commbench)",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("message bytes")
@@ -86,7 +95,7 @@ def size_histogram(s: StageSummary, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3))
     if sizes:
         top = max(sizes).bit_length() + 1
-        ax.hist(sizes, bins=[2 ** k for k in range(0, top)])
+        ax.hist(sizes, bins=[2**k for k in range(0, top)])
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message bytes (rank 0)")
     ax.set_ylabel("calls")
@@ -99,7 +108,12 @@ def per_rank(s: StageSummary, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3))
     ranks = [str(r[0]) for r in rows]
     ax.bar(ranks, [(r[1] - r[2]) * 1e3 for r in rows], label="in calls, not waiting")
-    ax.bar(ranks, [r[2] * 1e3 for r in rows], bottom=[(r[1] - r[2]) * 1e3 for r in rows], label="waiting for others")
+    ax.bar(
+        ranks,
+        [r[2] * 1e3 for r in rows],
+        bottom=[(r[1] - r[2]) * 1e3 for r in rows],
+        label="waiting for others",
+    )
     ax.set_xlabel("rank")
     ax.set_ylabel("ms")
     ax.set_title(f"{s.name}: per-rank communication and straggler wait")

@@ -7,6 +7,7 @@ t_start (once everyone is there, the data moves). This differs from "t_end minus
 on purpose: a collective completes at about the same moment everywhere, so completion skew hides who
 waited; arrival skew shows it.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -50,7 +51,9 @@ def match_calls(events: list[dict]) -> list[MatchedCall]:
     for (ranks, op, attempt, seq), per_rank in by_key.items():
         if len(per_rank) == len(ranks) > 1:
             first = per_rank[ranks[0]]
-            calls.append(MatchedCall(op, ranks, attempt, seq, first["phase"], first["step"], first["bytes"], per_rank))
+            calls.append(
+                MatchedCall(op, ranks, attempt, seq, first["phase"], first["step"], first["bytes"], per_rank)
+            )
     return sorted(calls, key=lambda c: c.last_arrival)
 
 

@@ -9,6 +9,7 @@ and optimizer states, c bytes per activation element.
 
 What each stage is assumed to run is ASSUMPTIONS, printed with every plan.
 """
+
 from __future__ import annotations
 
 import math
@@ -115,9 +116,11 @@ def training_states(P: int, prec: Precision, layout: Layout) -> list[Term]:
     tp = "/tp" if t > 1 else ""
     (wd, wn), (gd, gn), (od, on) = _shard(z, 3, dp), _shard(z, 2, dp), _shard(z, 1, dp)
     optimizer = 0.0 if layout.offload else P * prec.optimizer / (t * on)
-    return [Term("weights", f"P·{prec.weight}{tp}{wd}", P * prec.weight / (t * wn)),
-            Term("gradients", f"P·{prec.grad}{tp}{gd}", P * prec.grad / (t * gn)),
-            Term("optimizer", "0 (offloaded)" if layout.offload else f"P·{prec.optimizer}{tp}{od}", optimizer)]
+    return [
+        Term("weights", f"P·{prec.weight}{tp}{wd}", P * prec.weight / (t * wn)),
+        Term("gradients", f"P·{prec.grad}{tp}{gd}", P * prec.grad / (t * gn)),
+        Term("optimizer", "0 (offloaded)" if layout.offload else f"P·{prec.optimizer}{tp}{od}", optimizer),
+    ]
 
 
 def layer_activation_bytes(m: LlamaShape, b: int, s: int, c: int, tp: int, attention_scores: bool) -> float:
@@ -128,7 +131,9 @@ def layer_activation_bytes(m: LlamaShape, b: int, s: int, c: int, tp: int, atten
     return b * s * c * (4 * m.hidden + split / tp)
 
 
-def activations(m: LlamaShape, b: int, s: int, c: int, tp: int, attention_scores: bool, recompute: bool) -> Term:
+def activations(
+    m: LlamaShape, b: int, s: int, c: int, tp: int, attention_scores: bool, recompute: bool
+) -> Term:
     """All layers' saved activations (with recomputation: each layer's input, plus one layer's
     activations while it is recomputed) and the logits: the model's (c bytes), their fp32 copy for
     the loss and its gradient (8 bytes), split over TP by the vocabulary-parallel output layer."""
@@ -152,26 +157,48 @@ def node_ranks(layout: Layout, gpus_per_node: int) -> int:
     return min(layout.gpus, gpus_per_node)
 
 
-def host_terms(m: LlamaShape, loaded_fraction: str, loaded_params: float, offloaded: float, ranks: int,
-               runtime_per_rank: float) -> list[Term]:
+def host_terms(
+    m: LlamaShape,
+    loaded_fraction: str,
+    loaded_params: float,
+    offloaded: float,
+    ranks: int,
+    runtime_per_rank: float,
+) -> list[Term]:
     """Per node: each rank's runtime (CUDA context, Python, libraries), the weights each rank
     reads from the checkpoint files, and the optimizer states offloaded to host memory."""
-    return [Term("runtime", f"ranks·{runtime_per_rank / GB:g} GB", ranks * runtime_per_rank),
-            Term("loading", f"ranks·{loaded_fraction}·{m.file_bytes} (file dtype)", ranks * loaded_params * m.file_bytes),
-            Term("offloaded", "ranks·optimizer per GPU" if offloaded else "0", ranks * offloaded)]
+    return [
+        Term("runtime", f"ranks·{runtime_per_rank / GB:g} GB", ranks * runtime_per_rank),
+        Term(
+            "loading",
+            f"ranks·{loaded_fraction}·{m.file_bytes} (file dtype)",
+            ranks * loaded_params * m.file_bytes,
+        ),
+        Term("offloaded", "ranks·optimizer per GPU" if offloaded else "0", ranks * offloaded),
+    ]
 
 
-def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, gpus_per_node: int, runtime_per_rank: float) -> Footprint:
+def sft_footprint(
+    m: LlamaShape, s: SFTStage, layout: Layout, gpus_per_node: int, runtime_per_rank: float
+) -> Footprint:
     P, prec, t = m.params(), SFT_PRECISION[s.dtype], layout.tp
-    gpu = [*training_states(P, prec, layout),
-           activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute)]
+    gpu = [
+        *training_states(P, prec, layout),
+        activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
+    ]
     offloaded = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
     host = host_terms(m, "P/tp", P / t, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
     return Footprint(gpu, host)
 
 
-def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: int, gpus_per_node: int,
-                   runtime_per_rank: float) -> Footprint:
+def grpo_footprint(
+    m: LlamaShape,
+    g: GRPOStage,
+    layout: Layout,
+    prompt_tokens: int,
+    gpus_per_node: int,
+    runtime_per_rank: float,
+) -> Footprint:
     """`layout.tp` is the rollout's tensor-parallel size; the actor and reference shard over all N
     (data_parallel fsdp2) or are whole on each (ddp)."""
     P, N, tr = m.params(), layout.gpus, layout.tp
@@ -188,11 +215,14 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, prompt_tokens: i
         actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
         gathered, reference = fsdp_gathered_weights(m, g, N)
         offloaded = P * FSDP_MIXED.optimizer / N if layout.offload else 0.0
-    gpu = [*(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
-           gathered, reference,
-           Term("rollout_weights", "P·2/tp", P * BF16 / tr),
-           activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
-           kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16)]
+    gpu = [
+        *(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
+        gathered,
+        reference,
+        Term("rollout_weights", "P·2/tp", P * BF16 / tr),
+        activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
+        kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16),
+    ]
     # The largest thing a rank loads: the whole actor under ddp, else its rollout shard (the actor's is P/N).
     fraction, loaded = ("P", P) if replicated else ("P/tp", P / tr)
     host = host_terms(m, fraction, loaded, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
@@ -205,7 +235,9 @@ def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> tuple[Term, Te
     if g.reshard_after_forward and g.fsdp_units == "layer":
         # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays
         # gathered through forward and backward.
-        gathered = Term("actor_gathered", "(embeddings + 1 layer)·2", (m.embedding_params() + m.layer_params()) * BF16)
+        gathered = Term(
+            "actor_gathered", "(embeddings + 1 layer)·2", (m.embedding_params() + m.layer_params()) * BF16
+        )
     elif g.reshard_after_forward:  # one unit: the whole model gathered for each forward and backward
         gathered = Term("actor_gathered", "P·2 (fsdp_units: model)", P * BF16)
     else:  # every layer stays gathered from its forward to its backward
@@ -217,13 +249,20 @@ def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> tuple[Term, Te
     return gathered, reference
 
 
-def synth_footprint(m: LlamaShape, st: SynthStage, layout: Layout, prompt_tokens: int, gpus_per_node: int,
-                    runtime_per_rank: float) -> Footprint:
+def synth_footprint(
+    m: LlamaShape,
+    st: SynthStage,
+    layout: Layout,
+    prompt_tokens: int,
+    gpus_per_node: int,
+    runtime_per_rank: float,
+) -> Footprint:
     """A tensor-parallel group of `layout.tp` GPUs generates one batch at a time."""
     P, t = m.params(), layout.tp
     seqs = st.batch_size * st.samples_per_prompt / t
-    gpu = [Term("weights", "P·2/tp", P * BF16 / t),
-           kv_cache(m, seqs, "batch_size·samples_per_prompt/tp", prompt_tokens + st.max_new_tokens, BF16)]
+    gpu = [
+        Term("weights", "P·2/tp", P * BF16 / t),
+        kv_cache(m, seqs, "batch_size·samples_per_prompt/tp", prompt_tokens + st.max_new_tokens, BF16),
+    ]
     host = host_terms(m, "P/tp", P / t, 0.0, node_ranks(layout, gpus_per_node), runtime_per_rank)
     return Footprint(gpu, host)
-

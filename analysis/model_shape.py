@@ -4,6 +4,7 @@
 configs/models/ holds the config.json of the Llama 3.x family as published on the model cards
 (3.2-1B, 3.2-3B, 3.1-8B, 3.3-70B; 3.1-70B has 3.3-70B's shape).
 """
+
 from __future__ import annotations
 
 import json
@@ -80,20 +81,37 @@ def shape_from_hf_config(path: Path) -> LlamaShape:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     heads = field("num_attention_heads")
     return LlamaShape(
-        layers=field("num_hidden_layers"), hidden=field("hidden_size"), heads=heads,
-        kv_heads=field("num_key_value_heads", heads), head_dim=field("head_dim", hf["hidden_size"] // heads),
-        ffn=field("intermediate_size"), vocab=field("vocab_size"),
+        layers=field("num_hidden_layers"),
+        hidden=field("hidden_size"),
+        heads=heads,
+        kv_heads=field("num_key_value_heads", heads),
+        head_dim=field("head_dim", hf["hidden_size"] // heads),
+        ffn=field("intermediate_size"),
+        vocab=field("vocab_size"),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type") == "llama3" else None,
-        file_bytes=DTYPE_BYTES.get(hf.get("torch_dtype") or hf.get("dtype"), 4))
+        rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"}
+        if rope.get("rope_type") == "llama3"
+        else None,
+        file_bytes=DTYPE_BYTES.get(hf.get("torch_dtype") or hf.get("dtype"), 4),
+    )
 
 
 def tiny_shape(t: TinyModel) -> LlamaShape:
     """The embedded default's model (stages/models/tiny.py: untied, fp32 files, default RoPE)."""
-    return LlamaShape(layers=t.num_layers, hidden=t.hidden_size, heads=t.num_heads, kv_heads=t.num_kv_heads,
-                      head_dim=t.hidden_size // t.num_heads, ffn=t.ffn_hidden_size, vocab=TINY_VOCAB,
-                      tied_embeddings=False, rope_theta=10000.0, rope_scaling=None, file_bytes=4)
+    return LlamaShape(
+        layers=t.num_layers,
+        hidden=t.hidden_size,
+        heads=t.num_heads,
+        kv_heads=t.num_kv_heads,
+        head_dim=t.hidden_size // t.num_heads,
+        ffn=t.ffn_hidden_size,
+        vocab=TINY_VOCAB,
+        tied_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        file_bytes=4,
+    )
 
 
 def model_shape(cfg: RunConfig, config_dir: Path) -> LlamaShape:
@@ -104,5 +122,7 @@ def model_shape(cfg: RunConfig, config_dir: Path) -> LlamaShape:
         raise ConfigError("model.path", "required when model.source is 'hf'")
     config_json = resolve_path(config_dir, cfg.model.path) / "config.json"
     if not config_json.is_file():
-        raise ConfigError("model.path", f"{config_json} not found (a Hugging Face model directory is expected)")
+        raise ConfigError(
+            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
+        )
     return shape_from_hf_config(config_json)

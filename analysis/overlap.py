@@ -7,6 +7,7 @@ nor by the rank's own wait for it (t_wait to t_end, where the profiler saw the w
 overlapped. This is an upper bound: the caller may have been idle, not computing.
 overlap fraction = overlapped seconds / seconds in the union of all the rank's comm intervals.
 """
+
 from __future__ import annotations
 
 Interval = tuple[float, float]
@@ -48,7 +49,9 @@ def subtract(intervals: list[Interval], holes: list[Interval]) -> float:
 def blocked(rank_events: list[dict]) -> list[Interval]:
     """When the rank could not go on: inside its synchronous calls and its waits for async ones."""
     spans = [(e["t_start"], e["t_end"]) for e in rank_events if not e["async_op"]]
-    return spans + [(e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None]
+    return spans + [
+        (e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None
+    ]
 
 
 def overlap_fraction(rank_events: list[dict]) -> float:

@@ -6,6 +6,7 @@ Choosing: the smallest tensor-parallel size that fits wins (TP traffic is the co
 within a node), then no activation recomputation (it costs a third more compute), then the lowest
 ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus` is the smallest count planned at which it fits without offload.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ FITS, OFFLOAD, NO_FIT = "fits", "fits only with CPU offload", "does not fit"
 @dataclass(frozen=True)
 class Machine:
     """What one node offers, from the cluster profile."""
+
     name: str
     gpu_name: str
     gpu_bytes: float
@@ -36,11 +38,14 @@ class Machine:
     host_bytes: float
 
     @classmethod
-    def from_profile(cls, profile: ClusterProfile, gpu_memory_gib: float | None = None) -> "Machine":
+    def from_profile(cls, profile: ClusterProfile, gpu_memory_gib: float | None = None) -> Machine:
         gib = gpu_memory_gib or profile.gpu_memory_gib
         if not profile.gpus_per_node or not gib or not profile.host_memory_gib:
-            raise ConfigError("--cluster", f"profile {profile.name!r} gives no GPUs per node, GPU memory "
-                              "(gpu_memory_gib) or host memory (host_memory_gib) to plan for")
+            raise ConfigError(
+                "--cluster",
+                f"profile {profile.name!r} gives no GPUs per node, GPU memory "
+                "(gpu_memory_gib) or host memory (host_memory_gib) to plan for",
+            )
         gpu_name = profile.gpu_name or "GPU"
         if gpu_memory_gib:  # say so: the profile's GPU name may give another memory size
             gpu_name += f" (taken as {gpu_memory_gib:g} GiB each)"
@@ -53,6 +58,7 @@ class Machine:
 @dataclass(frozen=True)
 class Option:
     """One GPU count of one stage: the chosen layout, its footprint and the verdict."""
+
     layout: Layout
     footprint: Footprint
     verdict: str
@@ -73,7 +79,10 @@ class StagePlan:
 
 
 def fits(fp: Footprint, machine: Machine) -> bool:
-    return fp.gpu_bytes() <= GPU_USABLE * machine.gpu_bytes and fp.host_bytes() <= HOST_USABLE * machine.host_bytes
+    return (
+        fp.gpu_bytes() <= GPU_USABLE * machine.gpu_bytes
+        and fp.host_bytes() <= HOST_USABLE * machine.host_bytes
+    )
 
 
 def tp_sizes(gpus: int, machine: Machine, split: tuple[int, ...]) -> list[int]:
@@ -119,21 +128,38 @@ def kind_of(stage) -> str:
     return "sft" if isinstance(stage, SFTStage) else "grpo" if isinstance(stage, GRPOStage) else "generation"
 
 
-def plan_stage(stage_id: str, stage, cfg: RunConfig, shape: LlamaShape, machine: Machine, gpus: list[int],
-               prompt_tokens: int) -> StagePlan:
+def plan_stage(
+    stage_id: str,
+    stage,
+    cfg: RunConfig,
+    shape: LlamaShape,
+    machine: Machine,
+    gpus: list[int],
+    prompt_tokens: int,
+) -> StagePlan:
     kind, footprint = kind_of(stage), footprint_fn(stage, shape, machine, prompt_tokens)
 
     def at(n: int) -> Option:
-        return choose(candidates(kind, shape, n, machine), footprint, machine, can_offload=kind != "generation")
+        return choose(
+            candidates(kind, shape, n, machine), footprint, machine, can_offload=kind != "generation"
+        )
 
     # SFT's own layout is judged as configured (no offload, no recomputation: the config cannot ask for them).
-    configured = (choose([Layout(cfg.nproc, stage.parallel.tp, stage.parallel.zero_stage)], footprint, machine, False)
-                  if kind == "sft" else at(cfg.nproc))
+    configured = (
+        choose([Layout(cfg.nproc, stage.parallel.tp, stage.parallel.zero_stage)], footprint, machine, False)
+        if kind == "sft"
+        else at(cfg.nproc)
+    )
     return StagePlan(stage_id, kind, [at(n) for n in gpus], configured)
 
 
-def plan(cfg: RunConfig, shape: LlamaShape, machine: Machine, gpus: list[int], prompt_tokens: int) -> list[StagePlan]:
-    return [plan_stage(sid, stage, cfg, shape, machine, gpus, prompt_tokens) for sid, stage in cfg.stages().items()]
+def plan(
+    cfg: RunConfig, shape: LlamaShape, machine: Machine, gpus: list[int], prompt_tokens: int
+) -> list[StagePlan]:
+    return [
+        plan_stage(sid, stage, cfg, shape, machine, gpus, prompt_tokens)
+        for sid, stage in cfg.stages().items()
+    ]
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -141,7 +167,9 @@ def parse_gpus(text: str) -> list[int]:
     try:
         counts = sorted({int(part) for part in text.split(",")})
     except ValueError:
-        raise ConfigError("--gpus", f"{text!r} is not a comma-separated list of GPU counts (e.g. 1,2,4,8)") from None
+        raise ConfigError(
+            "--gpus", f"{text!r} is not a comma-separated list of GPU counts (e.g. 1,2,4,8)"
+        ) from None
     if counts[0] < 1:
         raise ConfigError("--gpus", f"GPU counts must be at least 1 (got {counts[0]})")
     return counts

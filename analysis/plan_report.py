@@ -1,6 +1,7 @@
 """The planner's output: per stage, one table row per GPU count (terms, totals, verdict, layout)
 and the formulas behind the numbers, rendered as text and Markdown from the same tables, and a
 JSON document (per stage: the verdict for each GPU count and `min_gpus`)."""
+
 from __future__ import annotations
 
 from analysis.memory import ASSUMPTIONS, GB, Layout
@@ -24,9 +25,18 @@ def gb(nbytes: float) -> str:
 
 def stage_table(p: StagePlan, machine: Machine) -> Table:
     names = [t.name for t in p.options[0].footprint.gpu]
-    rows = [[str(o.layout.gpus), str(machine.nodes(o.layout.gpus)), layout_text(p.kind, o.layout),
-             *(gb(t.bytes) for t in o.footprint.gpu), gb(o.footprint.gpu_bytes()), gb(o.footprint.host_bytes()),
-             o.verdict] for o in p.options]
+    rows = [
+        [
+            str(o.layout.gpus),
+            str(machine.nodes(o.layout.gpus)),
+            layout_text(p.kind, o.layout),
+            *(gb(t.bytes) for t in o.footprint.gpu),
+            gb(o.footprint.gpu_bytes()),
+            gb(o.footprint.host_bytes()),
+            o.verdict,
+        ]
+        for o in p.options
+    ]
     header = ["GPUs", "nodes", "layout", *names, "GPU total", "host/node", "verdict"]
     return Table(f"{p.stage_id} ({p.kind}), GB per GPU and host GB per node", header, rows)
 
@@ -45,26 +55,35 @@ def shown_option(p: StagePlan) -> Option:
 
 def summary_line(p: StagePlan) -> str:
     c = p.configured
-    return (f"{p.stage_id}: min_gpus {p.min_gpus() or 'none planned'} "
-            f"(with CPU offload: {p.min_gpus(OFFLOAD) or '-'}); at nproc={c.layout.gpus} "
-            f"({layout_text(p.kind, c.layout)}): {c.verdict}, {gb(c.footprint.gpu_bytes())} GB per GPU")
+    return (
+        f"{p.stage_id}: min_gpus {p.min_gpus() or 'none planned'} "
+        f"(with CPU offload: {p.min_gpus(OFFLOAD) or '-'}); at nproc={c.layout.gpus} "
+        f"({layout_text(p.kind, c.layout)}): {c.verdict}, {gb(c.footprint.gpu_bytes())} GB per GPU"
+    )
 
 
 def header_lines(name: str, shape: LlamaShape, machine: Machine) -> list[str]:
     m = shape
-    return [f"Plan for {name}: P = {m.params():,} parameters (L={m.layers} h={m.hidden} a={m.heads} "
-            f"kv={m.kv_heads}x{m.head_dim} f={m.ffn} V={m.vocab}, checkpoint {m.file_bytes} bytes/param)",
-            f"Cluster {machine.name}: {machine.gpus_per_node}x {machine.gpu_name} a node, "
-            f"{gb(machine.gpu_bytes)} GB per GPU ({GPU_USABLE:.0%} usable), "
-            f"host {gb(machine.host_bytes)} GB per node ({HOST_USABLE:.0%} usable)"]
+    return [
+        f"Plan for {name}: P = {m.params():,} parameters (L={m.layers} h={m.hidden} a={m.heads} "
+        f"kv={m.kv_heads}x{m.head_dim} f={m.ffn} V={m.vocab}, checkpoint {m.file_bytes} bytes/param)",
+        f"Cluster {machine.name}: {machine.gpus_per_node}x {machine.gpu_name} a node, "
+        f"{gb(machine.gpu_bytes)} GB per GPU ({GPU_USABLE:.0%} usable), "
+        f"host {gb(machine.host_bytes)} GB per node ({HOST_USABLE:.0%} usable)",
+    ]
 
 
 def render_text(name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan]) -> str:
     parts = ["\n".join(header_lines(name, shape, machine)), ""]
     for p in plans:
         shown = shown_option(p)
-        parts += [stage_table(p, machine).text(), summary_line(p),
-                  f"formulas at {shown.layout.gpus} GPUs:", *(f"  {f}" for f in formulas(shown)), ""]
+        parts += [
+            stage_table(p, machine).text(),
+            summary_line(p),
+            f"formulas at {shown.layout.gpus} GPUs:",
+            *(f"  {f}" for f in formulas(shown)),
+            "",
+        ]
     parts += ["Assumptions:", *(f"- {a}" for a in ASSUMPTIONS)]
     return "\n".join(parts) + "\n"
 
@@ -73,27 +92,58 @@ def render_markdown(name: str, shape: LlamaShape, machine: Machine, plans: list[
     parts = [f"# Memory plan: {name}", "", *(f"{line}  " for line in header_lines(name, shape, machine)), ""]
     for p in plans:
         shown = shown_option(p)
-        parts += [stage_table(p, machine).markdown(), summary_line(p), "",
-                  f"Formulas at {shown.layout.gpus} GPUs:", "", *(f"- `{f}`" for f in formulas(shown)), ""]
+        parts += [
+            stage_table(p, machine).markdown(),
+            summary_line(p),
+            "",
+            f"Formulas at {shown.layout.gpus} GPUs:",
+            "",
+            *(f"- `{f}`" for f in formulas(shown)),
+            "",
+        ]
     parts += ["## Assumptions", "", *(f"- {a}" for a in ASSUMPTIONS)]
     return "\n".join(parts) + "\n"
 
 
 def option_json(kind: str, o: Option) -> dict:
     terms = lambda ts: [{"name": t.name, "formula": t.formula, "bytes": t.bytes} for t in ts]  # noqa: E731
-    return {"gpus": o.layout.gpus, "verdict": o.verdict, "layout": layout_text(kind, o.layout),
-            "tp": o.layout.tp, "dp": o.layout.dp, "zero_stage": o.layout.zero, "offload": o.layout.offload,
-            "recompute": o.layout.recompute,
-            "gpu_bytes": o.footprint.gpu_bytes(), "host_bytes_per_node": o.footprint.host_bytes(),
-            "gpu_terms": terms(o.footprint.gpu), "host_terms": terms(o.footprint.host)}
+    return {
+        "gpus": o.layout.gpus,
+        "verdict": o.verdict,
+        "layout": layout_text(kind, o.layout),
+        "tp": o.layout.tp,
+        "dp": o.layout.dp,
+        "zero_stage": o.layout.zero,
+        "offload": o.layout.offload,
+        "recompute": o.layout.recompute,
+        "gpu_bytes": o.footprint.gpu_bytes(),
+        "host_bytes_per_node": o.footprint.host_bytes(),
+        "gpu_terms": terms(o.footprint.gpu),
+        "host_terms": terms(o.footprint.host),
+    }
 
 
 def plan_json(name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan]) -> dict:
-    return {"config": name, "params": shape.params(),
-            "cluster": {"name": machine.name, "gpu": machine.gpu_name, "gpus_per_node": machine.gpus_per_node,
-                        "gpu_bytes": machine.gpu_bytes, "host_bytes": machine.host_bytes},
-            "stages": {p.stage_id: {"kind": p.kind, "min_gpus": p.min_gpus(), "min_gpus_with_offload": p.min_gpus(OFFLOAD),
-                                    "verdicts": {str(o.layout.gpus): o.verdict for o in p.options},
-                                    "options": [option_json(p.kind, o) for o in p.options],
-                                    "at_nproc": option_json(p.kind, p.configured)} for p in plans},
-            "assumptions": list(ASSUMPTIONS)}
+    return {
+        "config": name,
+        "params": shape.params(),
+        "cluster": {
+            "name": machine.name,
+            "gpu": machine.gpu_name,
+            "gpus_per_node": machine.gpus_per_node,
+            "gpu_bytes": machine.gpu_bytes,
+            "host_bytes": machine.host_bytes,
+        },
+        "stages": {
+            p.stage_id: {
+                "kind": p.kind,
+                "min_gpus": p.min_gpus(),
+                "min_gpus_with_offload": p.min_gpus(OFFLOAD),
+                "verdicts": {str(o.layout.gpus): o.verdict for o in p.options},
+                "options": [option_json(p.kind, o) for o in p.options],
+                "at_nproc": option_json(p.kind, p.configured),
+            }
+            for p in plans
+        },
+        "assumptions": list(ASSUMPTIONS),
+    }

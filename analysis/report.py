@@ -1,6 +1,7 @@
 """`hpcr1 report RUN_DIR [RUN_DIR ...]`: per stage, where communication time goes (by operation,
 phase and rank), as report/index.html (one self-contained file, figures embedded), report/report.md
 (the same tables) and the PNG figures."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,15 @@ from analysis.tables import Table, comparison_table, cross_stage_table, stage_ta
 
 # After loading, the page counts its figures that failed to decode; a headless browser test reads
 # the count back from the DOM (data-broken-figures="0").
-RENDERED_CHECK = ("<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.figure')];"
-                  "document.body.dataset.figures=imgs.length;document.body.dataset.brokenFigures="
-                  "imgs.filter(i=>!i.complete||i.naturalWidth===0).length;});</script>")
-STYLE = ("body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}"
-         "td,th{border:1px solid #bbb;padding:2px 6px;font-size:13px;text-align:right}img{max-width:100%}")
+RENDERED_CHECK = (
+    "<script>window.addEventListener('load',()=>{const imgs=[...document.querySelectorAll('img.figure')];"
+    "document.body.dataset.figures=imgs.length;document.body.dataset.brokenFigures="
+    "imgs.filter(i=>!i.complete||i.naturalWidth===0).length;});</script>"
+)
+STYLE = (
+    "body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:.5em 0}"
+    "td,th{border:1px solid #bbb;padding:2px 6px;font-size:13px;text-align:right}img{max-width:100%}"
+)
 
 
 def find_commbench(run_dirs: list[Path]) -> dict | None:
@@ -35,11 +40,13 @@ def find_commbench(run_dirs: list[Path]) -> dict | None:
 
 def stage_figures(s: StageSummary, out_dir: Path, prefix: str, commbench: dict | None) -> list[Path]:
     stem = out_dir / f"{prefix}{s.name}"
-    made = [figures.phase_split(s, Path(f"{stem}-phases.png")),
-            figures.comm_by_phase_op(s, Path(f"{stem}-comm-by-phase.png")),
-            figures.bandwidth_vs_size(s, Path(f"{stem}-busbw.png"), commbench),
-            figures.size_histogram(s, Path(f"{stem}-sizes.png")),
-            figures.per_rank(s, Path(f"{stem}-ranks.png"))]
+    made = [
+        figures.phase_split(s, Path(f"{stem}-phases.png")),
+        figures.comm_by_phase_op(s, Path(f"{stem}-comm-by-phase.png")),
+        figures.bandwidth_vs_size(s, Path(f"{stem}-busbw.png"), commbench),
+        figures.size_histogram(s, Path(f"{stem}-sizes.png")),
+        figures.per_rank(s, Path(f"{stem}-ranks.png")),
+    ]
     if s.has_grpo_panels():
         made.insert(1, figures.grpo_panels(s, Path(f"{stem}-grpo-panels.png")))
     return made
@@ -50,8 +57,10 @@ class Document:
 
     def __init__(self, title: str):
         self.md = [f"# {title}\n"]
-        self.html = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-                     f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"]
+        self.html = [
+            f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        ]
 
     def heading(self, text: str, level: int = 2) -> None:
         self.md.append(f"{'#' * level} {text}\n")
@@ -79,9 +88,11 @@ def transport_note(doc: Document, stage_dir: Path) -> None:
     found = detect_in_logs(stage_dir / "logs")
     if found is None:
         return
-    doc.paragraph(f"NCCL network: {', '.join(sorted(found.networks)) or 'unknown'}; inter-node channels: "
-                  f"{', '.join(sorted(found.inter_node)) or 'none'}; intra-node: {', '.join(sorted(found.intra_node)) or 'none'}"
-                  f"; nodes: {found.nodes}.")
+    doc.paragraph(
+        f"NCCL network: {', '.join(sorted(found.networks)) or 'unknown'}; inter-node channels: "
+        f"{', '.join(sorted(found.inter_node)) or 'none'}; intra-node: {', '.join(sorted(found.intra_node)) or 'none'}"
+        f"; nodes: {found.nodes}."
+    )
     if found.warning:
         doc.paragraph("WARNING: " + found.warning)
 
@@ -98,10 +109,12 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 def scaling_section(doc: Document, run_dirs: list[Path], labels: list[str], out_dir: Path) -> None:
     stages, left_out = scaling.scaling(run_dirs, labels)
     doc.heading("Scaling")
-    doc.paragraph("Weak scaling: the batch per GPU is the same at every scale. Throughput over every step but the "
-                  "first; efficiency = samples/s per GPU relative to the smallest scale; comm fraction = share of "
-                  "step time a rank was blocked in communication (async calls overlapped with compute do not "
-                  "count), averaged over ranks. Definitions: analysis/scaling.py. Numbers: scaling.json.")
+    doc.paragraph(
+        "Weak scaling: the batch per GPU is the same at every scale. Throughput over every step but the "
+        "first; efficiency = samples/s per GPU relative to the smallest scale; comm fraction = share of "
+        "step time a rank was blocked in communication (async calls overlapped with compute do not "
+        "count), averaged over ranks. Definitions: analysis/scaling.py. Numbers: scaling.json."
+    )
     if left_out:
         doc.paragraph("Left out (no throughput in metrics.jsonl): " + ", ".join(left_out) + ".")
     scaling.write_scaling_json(stages, out_dir / "scaling.json")
@@ -118,9 +131,11 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     dirs = {label: stage_dirs(run) for label, run in zip(run_labels(run_dirs), run_dirs)}
     runs = {name: [summarise_stage(d) for d in stages] for name, stages in dirs.items()}
     doc = Document("Communication report: " + ", ".join(runs))
-    doc.paragraph("Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
-                  "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
-                  "(see analysis/overlap.py).")
+    doc.paragraph(
+        "Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
+        "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
+        "(see analysis/overlap.py)."
+    )
     if scaling.is_scaling_set(run_dirs):
         scaling_section(doc, run_dirs, list(runs), out_dir)
     for run, stages in runs.items():
@@ -154,9 +169,14 @@ def started_scales(sweep_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
-    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
-                        help="run directories (compared when several; a scaling section when their sizes differ), "
-                             "or the directory of an `hpcr1 sweep`")
+    parser.add_argument(
+        "run_dirs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directories (compared when several; a scaling section when their sizes differ), "
+        "or the directory of an `hpcr1 sweep`",
+    )
     parser.add_argument("--out", type=Path, help="default: <first run>/report")
     parser.add_argument("--commbench", type=Path, help="a commbench JSON to draw as achievable bandwidth")
     args = parser.parse_args(argv)

@@ -17,6 +17,7 @@ GPU (rank) count, as a table, a JSON file and one figure per stage.
   times; across nodes they are as good as the clocks' synchronisation. Not measured for synthesis
   (one long step) nor where the run did not profile (`profile.comm: false`).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ SWEEP_FILE = "sweep.json"  # written by pipeline/sweep.py
 @dataclass
 class ScalePoint:
     """One stage of one run."""
+
     gpus: int
     run: str
     measured_steps: int
@@ -99,9 +101,15 @@ def stage_point(stage_dir: Path, run: str, gpus: int, profiled: bool) -> ScalePo
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steps) if "tokens_per_s" in steps[0] else None
     windows = [(r["t_start"], r["t_start"] + r["step_time_s"]) for r in steps if "t_start" in r]
     comm = comm_fraction(stage_dir, windows, gpus) if profiled and len(windows) == len(steps) else None
-    return ScalePoint(gpus, run, len(steps), seconds / len(steps),
-                      sum(r["samples_per_s"] * r["step_time_s"] for r in steps) / seconds,
-                      None if tokens is None else tokens / seconds, comm)
+    return ScalePoint(
+        gpus,
+        run,
+        len(steps),
+        seconds / len(steps),
+        sum(r["samples_per_s"] * r["step_time_s"] for r in steps) / seconds,
+        None if tokens is None else tokens / seconds,
+        comm,
+    )
 
 
 def comm_fraction(stage_dir: Path, windows: list[Interval], gpus: int) -> float | None:
@@ -121,17 +129,43 @@ def scaling_tables(stages: dict[str, list[ScalePoint]]) -> list[Table]:
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.1%}"
 
-    return [Table(f"Weak scaling: {stage}",
-                  ["GPUs", "run", "steps measured", "step s", "samples/s", "tokens/s", "samples/s per GPU",
-                   "efficiency", "comm fraction"],
-                  [[str(p.gpus), p.run, str(p.measured_steps), f"{p.step_s:.4f}", f"{p.samples_per_s:.2f}",
-                    "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}", f"{p.per_gpu:.2f}",
-                    f"{p.efficiency:.3f}", pct(p.comm_fraction)] for p in points])
-            for stage, points in stages.items()]
+    return [
+        Table(
+            f"Weak scaling: {stage}",
+            [
+                "GPUs",
+                "run",
+                "steps measured",
+                "step s",
+                "samples/s",
+                "tokens/s",
+                "samples/s per GPU",
+                "efficiency",
+                "comm fraction",
+            ],
+            [
+                [
+                    str(p.gpus),
+                    p.run,
+                    str(p.measured_steps),
+                    f"{p.step_s:.4f}",
+                    f"{p.samples_per_s:.2f}",
+                    "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
+                    f"{p.per_gpu:.2f}",
+                    f"{p.efficiency:.3f}",
+                    pct(p.comm_fraction),
+                ]
+                for p in points
+            ],
+        )
+        for stage, points in stages.items()
+    ]
 
 
 def write_scaling_json(stages: dict[str, list[ScalePoint]], path: Path) -> Path:
-    path.write_text(json.dumps({stage: [asdict(p) for p in points] for stage, points in stages.items()}, indent=2))
+    path.write_text(
+        json.dumps({stage: [asdict(p) for p in points] for stage, points in stages.items()}, indent=2)
+    )
     return path
 
 

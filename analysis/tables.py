@@ -1,5 +1,6 @@
 """The report's tables, built once and rendered both as Markdown and as HTML, so the two reports
 hold the same numbers."""
+
 from __future__ import annotations
 
 import html
@@ -15,8 +16,12 @@ class Table:
     rows: list[list[str]]
 
     def markdown(self) -> str:
-        lines = [f"#### {self.title}", "", "| " + " | ".join(self.header) + " |",
-                 "|" + "|".join("---" for _ in self.header) + "|"]
+        lines = [
+            f"#### {self.title}",
+            "",
+            "| " + " | ".join(self.header) + " |",
+            "|" + "|".join("---" for _ in self.header) + "|",
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows]
         return "\n".join(lines) + "\n"
 
@@ -28,7 +33,9 @@ class Table:
 
     def html(self) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in self.header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
+        )
         return f"<h4>{html.escape(self.title)}</h4>\n<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>\n"
 
 
@@ -49,25 +56,48 @@ def stage_tables(s: StageSummary) -> list[Table]:
     ops = sorted({op for per in phase_ops.values() for op in per})
 
     def by_phase(title: str, cell) -> Table:
-        return Table(title, ["phase", *ops],
-                     [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)])
+        return Table(
+            title,
+            ["phase", *ops],
+            [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)],
+        )
 
     tables = [
-        Table("Time by phase (rank 0): compute and exposed communication",
-              ["phase", "wall ms", "exposed comm ms", "compute ms"],
-              [[p, ms(w), ms(c), ms(k)] for p, w, c, k in s.phase_split()]),
-        Table("Communication by operation (per rank)",
-              ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
-              [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()]),
+        Table(
+            "Time by phase (rank 0): compute and exposed communication",
+            ["phase", "wall ms", "exposed comm ms", "compute ms"],
+            [[p, ms(w), ms(c), ms(k)] for p, w, c, k in s.phase_split()],
+        ),
+        Table(
+            "Communication by operation (per rank)",
+            ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
+            [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()],
+        ),
         by_phase("Communication time by phase and operation (ms per rank)", lambda v: ms(v.seconds)),
         by_phase("Communication bytes by phase and operation (per rank)", lambda v: size(v.bytes)),
-        Table("Per rank: communication, waiting for stragglers, overlap",
-              ["rank", "comm ms", "wait ms", "times slowest", "overlap"],
-              [[str(r), ms(c), ms(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()]),
-        Table("Costliest calls", ["op", "phase", "step", "bytes", "ranks", "ms over ranks", "transfer ms",
-                                  "slowest rank", "others waited ms"],
-              [[op, ph, str(st), size(b), str(n), ms(t), ms(tr), str(slow), ms(w)]
-               for op, ph, st, b, n, t, tr, slow, w in s.top_calls()]),
+        Table(
+            "Per rank: communication, waiting for stragglers, overlap",
+            ["rank", "comm ms", "wait ms", "times slowest", "overlap"],
+            [[str(r), ms(c), ms(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()],
+        ),
+        Table(
+            "Costliest calls",
+            [
+                "op",
+                "phase",
+                "step",
+                "bytes",
+                "ranks",
+                "ms over ranks",
+                "transfer ms",
+                "slowest rank",
+                "others waited ms",
+            ],
+            [
+                [op, ph, str(st), size(b), str(n), ms(t), ms(tr), str(slow), ms(w)]
+                for op, ph, st, b, n, t, tr, slow, w in s.top_calls()
+            ],
+        ),
     ]
     if s.has_grpo_panels():
         tables.insert(1, grpo_panel_table(s))
@@ -79,7 +109,9 @@ def grpo_panel_table(s: StageSummary) -> Table:
     panels = s.grpo_panels()
     ops = sorted({op for per in panels.values() for op in per})
     header = ["op", *(f"{panel} {unit}" for panel in panels for unit in ("calls", "bytes", "ms"))]
-    rows = [[op, *(cell for per in panels.values() for cell in volume_cells(per.get(op, Volume())))] for op in ops]
+    rows = [
+        [op, *(cell for per in panels.values() for cell in volume_cells(per.get(op, Volume())))] for op in ops
+    ]
     return Table("GRPO phases side by side: communication per rank over the stage", header, rows)
 
 
@@ -91,19 +123,52 @@ def cross_stage_table(stages: list[StageSummary]) -> Table:
     rows = []
     for s in stages:
         top = s.by_op()[0][0] if s.events else "-"
-        rows.append([s.name, str(len(s.ranks)), str(s.steps), ms(s.comm_seconds_per_step()),
-                     size(s.bytes_per_step()), top, f"{s.imbalance():.2f}"])
-    return Table("Across stages", ["stage", "ranks", "steps", "comm ms / step", "bytes / step", "costliest op",
-                                   "imbalance (max/mean)"], rows)
+        rows.append(
+            [
+                s.name,
+                str(len(s.ranks)),
+                str(s.steps),
+                ms(s.comm_seconds_per_step()),
+                size(s.bytes_per_step()),
+                top,
+                f"{s.imbalance():.2f}",
+            ]
+        )
+    return Table(
+        "Across stages",
+        ["stage", "ranks", "steps", "comm ms / step", "bytes / step", "costliest op", "imbalance (max/mean)"],
+        rows,
+    )
 
 
 def comparison_table(runs: dict[str, list[StageSummary]]) -> Table:
     rows = []
     for run, stages in runs.items():
         for s in stages:
-            rows.append([run, s.name, str(len(s.ranks)), ms(s.comm_seconds_per_step()),
-                         size(s.bytes_per_step()),
-                         *(f"{s.median_busbw(op) / 1e9:.3f}" for op in ("all_reduce", "all_gather", "reduce_scatter"))])
-    return Table("Comparison across runs", ["run", "stage", "ranks", "comm ms / step", "bytes / step",
-                                            "all_reduce busbw GB/s", "all_gather busbw GB/s",
-                                            "reduce_scatter busbw GB/s"], rows)
+            rows.append(
+                [
+                    run,
+                    s.name,
+                    str(len(s.ranks)),
+                    ms(s.comm_seconds_per_step()),
+                    size(s.bytes_per_step()),
+                    *(
+                        f"{s.median_busbw(op) / 1e9:.3f}"
+                        for op in ("all_reduce", "all_gather", "reduce_scatter")
+                    ),
+                ]
+            )
+    return Table(
+        "Comparison across runs",
+        [
+            "run",
+            "stage",
+            "ranks",
+            "comm ms / step",
+            "bytes / step",
+            "all_reduce busbw GB/s",
+            "all_gather busbw GB/s",
+            "reduce_scatter busbw GB/s",
+        ],
+        rows,
+    )

@@ -23,6 +23,7 @@ when rows are padded). Our loop
 does one op where `generate` does several, so it gains most where the per-op overhead dominates
 (small batches); at 200 rows both are bound by the same matmuls and attention.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,22 +40,32 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from core.config import load_config  # noqa: E402
-from stages.inputs import load_task, prepare_inputs  # noqa: E402
 from core.rundir import RunDir  # noqa: E402
 from stages.data.tokenizer import encode_prompt  # noqa: E402
 from stages.generation import generate_tokens, left_padded  # noqa: E402
+from stages.inputs import load_task, prepare_inputs  # noqa: E402
 
 
 def ours(model, tokenizer, prompt_ids, stage):
-    return generate_tokens(model, tokenizer, prompt_ids, stage.max_new_tokens, stage.temperature, stage.top_p)[2]
+    return generate_tokens(
+        model, tokenizer, prompt_ids, stage.max_new_tokens, stage.temperature, stage.top_p
+    )[2]
 
 
 def transformers_generate(model, tokenizer, prompt_ids, stage):
     input_ids, attention = left_padded(prompt_ids, tokenizer.pad_token_id)
-    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=stage.max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         do_sample=True, temperature=stage.temperature, top_p=stage.top_p, top_k=0)
-    return out[:, input_ids.shape[1]:]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=stage.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        do_sample=True,
+        temperature=stage.temperature,
+        top_p=stage.top_p,
+        top_k=0,
+    )
+    return out[:, input_ids.shape[1] :]
 
 
 def generated(new_tokens: torch.Tensor, eos_id: int) -> int:
@@ -68,7 +79,11 @@ def timed(side, model, tokenizer, prompt_ids, stage, seed: int) -> tuple[int, fl
     torch.manual_seed(seed)
     wall, cpu = time.perf_counter(), time.process_time()
     new_tokens = side(model, tokenizer, prompt_ids, stage)
-    return generated(new_tokens, tokenizer.eos_token_id), time.perf_counter() - wall, time.process_time() - cpu
+    return (
+        generated(new_tokens, tokenizer.eos_token_id),
+        time.perf_counter() - wall,
+        time.process_time() - cpu,
+    )
 
 
 def compare(model, tokenizer, prompt_ids, stage, repeats: int) -> dict[str, dict[str, float]]:
@@ -85,7 +100,9 @@ def compare(model, tokenizer, prompt_ids, stage, repeats: int) -> dict[str, dict
             rates[name]["wall"].append(counts[name] / wall)
             rates[name]["cpu"].append(counts[name] / cpu)
         if counts["ours"] != counts["transformers"]:
-            print(f"  note: repetition {rep} generated {counts['ours']} tokens (ours) vs {counts['transformers']}")
+            print(
+                f"  note: repetition {rep} generated {counts['ours']} tokens (ours) vs {counts['transformers']}"
+            )
     return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rates.items()}
 
 
@@ -103,11 +120,17 @@ def load_model(args, cfg, task, scratch: Path):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny-cpu.yaml"))
-    parser.add_argument("--model", type=Path, help="a Hugging Face model directory (default: the config's base model)")
+    parser.add_argument(
+        "--model", type=Path, help="a Hugging Face model directory (default: the config's base model)"
+    )
     parser.add_argument("--batch-sizes", default="8,50,200", help="rows per generate call, comma separated")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for both sides (1: as each of the stage's ranks runs)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for both sides (1: as each of the stage's ranks runs)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, ["data.arithmetic.sft_size=16"])
@@ -115,21 +138,30 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hpcr1-genbench-") as scratch:
         task = load_task(cfg, REPO / "configs")
         model, tokenizer, model_dir = load_model(args, cfg, task, Path(scratch))
-        print(f"model {model_dir}, {torch.get_num_threads()} threads, fp32, temperature {stage.temperature}, "
-              f"top_p {stage.top_p}, max_new_tokens {stage.max_new_tokens}, {args.repeats} repetitions")
+        print(
+            f"model {model_dir}, {torch.get_num_threads()} threads, fp32, temperature {stage.temperature}, "
+            f"top_p {stage.top_p}, max_new_tokens {stage.max_new_tokens}, {args.repeats} repetitions"
+        )
         ratios = {}
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             # as stage3_synth batches them: each prompt samples_per_prompt times in a row
-            prompt_ids = [encode_prompt(tokenizer, task["prompts"][row // stage.samples_per_prompt].prompt)
-                          for row in range(batch)]
+            prompt_ids = [
+                encode_prompt(tokenizer, task["prompts"][row // stage.samples_per_prompt].prompt)
+                for row in range(batch)
+            ]
             med = compare(model, tokenizer, prompt_ids, stage, args.repeats)
             ratios[batch] = med["ours"]["wall"] / med["transformers"]["wall"]
-            print(f"batch {batch:4d}: tokens/s ours {med['ours']['wall']:8.0f} transformers "
-                  f"{med['transformers']['wall']:8.0f} (wall, ratio {ratios[batch]:.2f}); per CPU second "
-                  f"ours {med['ours']['cpu']:8.0f} transformers {med['transformers']['cpu']:8.0f} "
-                  f"(ratio {med['ours']['cpu'] / med['transformers']['cpu']:.2f})", flush=True)
-    print("ours / transformers generate, tokens/s (wall): "
-          + ", ".join(f"batch {b} {r:.2f}" for b, r in ratios.items()))
+            print(
+                f"batch {batch:4d}: tokens/s ours {med['ours']['wall']:8.0f} transformers "
+                f"{med['transformers']['wall']:8.0f} (wall, ratio {ratios[batch]:.2f}); per CPU second "
+                f"ours {med['ours']['cpu']:8.0f} transformers {med['transformers']['cpu']:8.0f} "
+                f"(ratio {med['ours']['cpu'] / med['transformers']['cpu']:.2f})",
+                flush=True,
+            )
+    print(
+        "ours / transformers generate, tokens/s (wall): "
+        + ", ".join(f"batch {b} {r:.2f}" for b, r in ratios.items())
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ The control is the config's `stage3_sft` section (its learning rate and schedule
 way of continuing SFT from stage 1) pointed at the curated data, with as many steps as fit in stage
 2's training time at stage 1's median step time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,29 @@ def one_seed(config: str, seed: int, out: Path, overrides: list[str]) -> dict[st
     grpo_seconds = sum(metric_values(run_dir, "stage2_grpo", "step_time_s"))
     sft_step = statistics.median(metric_values(run_dir, "stage1_sft", "step_time_s"))
     control_steps = max(1, round(grpo_seconds / sft_step))
-    hpcr1_run(config, run_dir, "stage3_sft", [*common, "stage3_sft.init_from=stage1_sft", "stage3_sft.data=curated",
-                                              f"stage3_sft.steps={control_steps}"])
-    result = {"stage1": accuracy(run_dir, "stage1_sft"), "grpo": accuracy(run_dir, "stage2_grpo"),
-              "control": accuracy(run_dir, "stage3_sft"), "grpo_s": grpo_seconds, "control_steps": control_steps}
-    print(f"seed {seed}: stage 1 {result['stage1']:.3f}, GRPO {result['grpo']:.3f} ({grpo_seconds:.0f} s), "
-          f"continued SFT {result['control']:.3f} ({control_steps} steps)", flush=True)
+    hpcr1_run(
+        config,
+        run_dir,
+        "stage3_sft",
+        [
+            *common,
+            "stage3_sft.init_from=stage1_sft",
+            "stage3_sft.data=curated",
+            f"stage3_sft.steps={control_steps}",
+        ],
+    )
+    result = {
+        "stage1": accuracy(run_dir, "stage1_sft"),
+        "grpo": accuracy(run_dir, "stage2_grpo"),
+        "control": accuracy(run_dir, "stage3_sft"),
+        "grpo_s": grpo_seconds,
+        "control_steps": control_steps,
+    }
+    print(
+        f"seed {seed}: stage 1 {result['stage1']:.3f}, GRPO {result['grpo']:.3f} ({grpo_seconds:.0f} s), "
+        f"continued SFT {result['control']:.3f} ({control_steps} steps)",
+        flush=True,
+    )
     return result
 
 
@@ -59,12 +77,18 @@ def main() -> None:
     p.add_argument("--out", default="runs/grpo-vs-sft", help="one run directory per seed under this")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_args()
-    results = [one_seed(args.config, int(s), Path(args.out).resolve(), args.overrides) for s in args.seeds.split(",")]
+    results = [
+        one_seed(args.config, int(s), Path(args.out).resolve(), args.overrides) for s in args.seeds.split(",")
+    ]
     mean = {k: statistics.mean(r[k] for r in results) for k in ("stage1", "grpo", "control")}
-    print(f"mean over {len(results)} seeds: stage 1 {mean['stage1']:.3f}, GRPO {mean['grpo']:.3f}, "
-          f"continued SFT {mean['control']:.3f}")
-    print(f"GRPO gain: {mean['grpo'] - mean['stage1']:+.3f} over stage 1, {mean['grpo'] - mean['control']:+.3f} "
-          "over the SFT control")
+    print(
+        f"mean over {len(results)} seeds: stage 1 {mean['stage1']:.3f}, GRPO {mean['grpo']:.3f}, "
+        f"continued SFT {mean['control']:.3f}"
+    )
+    print(
+        f"GRPO gain: {mean['grpo'] - mean['stage1']:+.3f} over stage 1, {mean['grpo'] - mean['control']:+.3f} "
+        "over the SFT control"
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Prints, per kill: its time in the uninterrupted run, the point it was mapped to,
 interrupted (read from the manifest and the files the killed attempt left); then the verdict.
 Exit code 1 on any mismatch. `--kills 0` compares two uninterrupted runs: the determinism check.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from launch.local import repo_env  # noqa: E402
 from core.atomic import tree_checksums  # noqa: E402
 from core.config import STAGE_IDS, load_resolved  # noqa: E402
 from core.rundir import RunDir  # noqa: E402
+from launch.local import repo_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 POLL_S = 0.05
@@ -48,8 +49,11 @@ GRPO = {"prompts_per_step": 4, "group_size": 2, "max_new_tokens": 48, "steps": 4
 # The embedded default, a few steps a stage. One-digit sums: thirty SFT steps teach the answer
 # format, so that the synthesis stage keeps some sampled answers and stage3_sft has data.
 TINY_PIPELINE = {
-    "name": "kill-anywhere", "wandb": {"mode": "disabled"},
-    "data": {"arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8, "eval_size": 8}},
+    "name": "kill-anywhere",
+    "wandb": {"mode": "disabled"},
+    "data": {
+        "arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8, "eval_size": 8}
+    },
     "eval": {"num_examples": 8, "max_new_tokens": 48, "batch_size": 8},
     "stage1_sft": {**SFT, "steps": 30, "checkpoint_every": 10, "lr": 3e-3, "min_lr": 3e-4},
     "stage2_grpo": GRPO,
@@ -73,10 +77,10 @@ def pipeline_overrides(nproc: int) -> list[str]:
 
 @dataclass(frozen=True)
 class KillPoint:
-    time: float                # seconds into the uninterrupted run
-    after: tuple[int, int]     # (stage index, steps logged) last reached before that time
-    delay: float               # seconds after reaching it
-    before: tuple[int, int]    # the point reached next: a faster attempt is killed there
+    time: float  # seconds into the uninterrupted run
+    after: tuple[int, int]  # (stage index, steps logged) last reached before that time
+    delay: float  # seconds after reaching it
+    before: tuple[int, int]  # the point reached next: a faster attempt is killed there
 
 
 class Attempt:
@@ -90,10 +94,20 @@ class Attempt:
         self.stale_metrics = {sid: _inode(self.run.metrics(sid)) for sid in STAGE_IDS}
         self.launched = self._attempts()
         self.outlived: list[int] = []
-        cmd = [sys.executable, "-m", "pipeline.cli", "run", str(CONFIG), "--run-dir", str(run_dir), *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            str(CONFIG),
+            "--run-dir",
+            str(run_dir),
+            *overrides,
+        ]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=repo_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def __enter__(self) -> Attempt:
         return self
@@ -164,7 +178,9 @@ class Attempt:
             progress = self.progress()
             if reached is None and progress >= point.after:
                 reached = time.monotonic()
-            if reached is not None and (time.monotonic() - reached >= point.delay or progress >= point.before):
+            if reached is not None and (
+                time.monotonic() - reached >= point.delay or progress >= point.before
+            ):
                 self._kill()
                 return True
             time.sleep(POLL_S)
@@ -227,22 +243,29 @@ def point_at(timeline: list[tuple[float, tuple[int, int]]], t: float) -> KillPoi
     return KillPoint(t, after, t - since, before)
 
 
-def kill_points(timeline: list[tuple[float, tuple[int, int]]], duration: float, kills: int,
-                rng: random.Random) -> list[KillPoint]:
+def kill_points(
+    timeline: list[tuple[float, tuple[int, int]]], duration: float, kills: int, rng: random.Random
+) -> list[KillPoint]:
     return [point_at(timeline, t) for t in sorted(rng.uniform(0, duration) for _ in range(kills))]
 
 
 def handed_on(run_dir: Path) -> dict[str, str]:
     """sha256 of what each stage hands to the next: its weights, or its synthetic data."""
     run = RunDir(run_dir)
-    return {f"{sid}/final/{name}": digest for sid in STAGE_IDS
-            for name, digest in tree_checksums(run.final(sid)).items() if name.endswith((".safetensors", ".jsonl"))}
+    return {
+        f"{sid}/final/{name}": digest
+        for sid in STAGE_IDS
+        for name, digest in tree_checksums(run.final(sid)).items()
+        if name.endswith((".safetensors", ".jsonl"))
+    }
 
 
 def logged_steps(run_dir: Path) -> dict[str, list[int]]:
     run = RunDir(run_dir)
-    return {sid: [json.loads(line)["step"] for line in run.metrics(sid).read_text().splitlines()]
-            for sid in STAGE_IDS}
+    return {
+        sid: [json.loads(line)["step"] for line in run.metrics(sid).read_text().splitlines()]
+        for sid in STAGE_IDS
+    }
 
 
 def run_to_end(run_dir: Path, overrides: list[str], log: Path):
@@ -253,8 +276,9 @@ def run_to_end(run_dir: Path, overrides: list[str], log: Path):
     return timeline, attempt.elapsed()
 
 
-def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint],
-                    logs: Path) -> tuple[list[str], int]:
+def kill_and_resume(
+    run_dir: Path, overrides: list[str], points: list[KillPoint], logs: Path
+) -> tuple[list[str], int]:
     """Kill at each point in turn, resuming each time; returns the stages hit and the number of
     kills that left processes of the run running."""
     hit, outlived = [], 0
@@ -265,15 +289,23 @@ def kill_and_resume(run_dir: Path, overrides: list[str], points: list[KillPoint]
         with Attempt(run_dir, overrides, log) as attempt:
             killed, seconds = attempt.kill_at(point), attempt.elapsed()
         if not killed and attempt.proc.returncode != 0:
-            sys.exit(f"hpcr1 run {run_dir} failed (exit code {attempt.proc.returncode}) after kill {number - 1}; "
-                     f"see {log}")
+            sys.exit(
+                f"hpcr1 run {run_dir} failed (exit code {attempt.proc.returncode}) after kill {number - 1}; "
+                f"see {log}"
+            )
         if not killed:
-            print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  not made: the run finished first", flush=True)
+            print(
+                f"kill {number:2d}  t={point.time:6.1f}s  ({where})  not made: the run finished first",
+                flush=True,
+            )
             continue
         stage, what = attempt.interrupted()
         hit.append(stage)
-        print(f"kill {number:2d}  t={point.time:6.1f}s  ({where})  after {seconds:5.1f}s of the attempt: "
-              f"{stage}: {what}", flush=True)
+        print(
+            f"kill {number:2d}  t={point.time:6.1f}s  ({where})  after {seconds:5.1f}s of the attempt: "
+            f"{stage}: {what}",
+            flush=True,
+        )
         if attempt.outlived:
             outlived += 1
             print(f"         OUTLIVED THE KILL: processes {attempt.outlived} were still running", flush=True)
@@ -291,16 +323,22 @@ def verdict(reference: Path, killed: Path) -> bool:
     for sid in STAGE_IDS:
         if actual_steps[sid] != expected_steps[sid]:
             ok = False
-            print(f"DIFFERENT  {sid}/metrics.jsonl steps {actual_steps[sid]} (uninterrupted: {expected_steps[sid]})")
+            print(
+                f"DIFFERENT  {sid}/metrics.jsonl steps {actual_steps[sid]} (uninterrupted: {expected_steps[sid]})"
+            )
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0, help="seeds the kill times (the pipeline's seed is the config's)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the kill times (the pipeline's seed is the config's)"
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks per stage")
-    p.add_argument("--out", default="runs/kill-anywhere", help="the two run directories and the attempts' logs")
+    p.add_argument(
+        "--out", default="runs/kill-anywhere", help="the two run directories and the attempts' logs"
+    )
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -314,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     hit, outlived = kill_and_resume(out / "killed", overrides, points, out / "logs")
     run_to_end(out / "killed", overrides, out / "logs" / "final-resume.log")
     ok = verdict(out / "uninterrupted", out / "killed") and not outlived
-    print(f"{len(hit)} kills of {len(points)} made; stages hit: {dict(collections.Counter(hit))}; "
-          f"{outlived} left processes running; {'all identical' if ok else 'MISMATCH'}")
+    print(
+        f"{len(hit)} kills of {len(points)} made; stages hit: {dict(collections.Counter(hit))}; "
+        f"{outlived} left processes running; {'all identical' if ok else 'MISMATCH'}"
+    )
     return 0 if ok else 1
 
 

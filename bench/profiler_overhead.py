@@ -8,6 +8,7 @@ the ratio (on / off) last. The target is at most 1.03 on the embedded default's 
 Blocks of steps alternate off/on so that drift (other load on the machine, warming caches) hits
 both sides alike; the median block time per side is compared.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def ddp_step():
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)))
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     data = torch.randn(32, 256)
 
@@ -57,7 +59,9 @@ def embedded_grpo_step():
     from stages.grpo.prompts import PromptSchedule
     from stages.grpo.trainer import build_roles, train_step_at
 
-    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["data.arithmetic.sft_size=16", "wandb.mode=disabled"])
+    cfg = load_config(
+        REPO / "configs" / "tiny-cpu.yaml", ["data.arithmetic.sft_size=16", "wandb.mode=disabled"]
+    )
     run, scratch = shared_run_dir()
     if dist.get_rank() == 0:
         prepare_run(cfg, run, REPO / "configs")
@@ -134,8 +138,10 @@ def measure(step, blocks: int, steps: int, out_dir: Path, rank: int) -> dict[str
                 on.append(profiled_block(step, steps, out_dir, rank, block))
             else:
                 off.append(timed_block(step, steps))
-    return {kind: (statistics.median(b[i] for b in off), statistics.median(b[i] for b in on))
-            for i, kind in enumerate(("wall", "cpu"))}
+    return {
+        kind: (statistics.median(b[i] for b in off), statistics.median(b[i] for b in on))
+        for i, kind in enumerate(("wall", "cpu"))
+    }
 
 
 def profiled_block(step, steps: int, out_dir: Path, rank: int, block: int) -> tuple[float, float]:
@@ -161,11 +167,15 @@ def rank_main(args) -> None:
         times = measure(step, blocks, steps, Path(tmp), rank)
         recorded = len((Path(tmp) / f"rank-{rank:05d}.jsonl").read_text().splitlines())
     if rank == 0:
-        print(f"{blocks} blocks of {steps} steps each side; {recorded / (blocks * steps):.0f} calls recorded a step "
-              f"on rank 0; load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"{blocks} blocks of {steps} steps each side; {recorded / (blocks * steps):.0f} calls recorded a step "
+            f"on rank 0; load average {os.getloadavg()[0]:.2f}"
+        )
         (cpu_off, cpu_on), (off, on) = times["cpu"], times["wall"]
-        print(f"CPU per step (all ranks) off {cpu_off * 1e3:.3f} ms, on {cpu_on * 1e3:.3f} ms, "
-              f"ratio {cpu_on / cpu_off:.4f}")
+        print(
+            f"CPU per step (all ranks) off {cpu_off * 1e3:.3f} ms, on {cpu_on * 1e3:.3f} ms, "
+            f"ratio {cpu_on / cpu_off:.4f}"
+        )
         print(f"step off {off * 1e3:.3f} ms, on {on * 1e3:.3f} ms")
         print(f"ratio on/off {on / off:.4f}")
     shutdown_distributed()
@@ -173,8 +183,11 @@ def rank_main(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workload", help=f"{' or '.join(WORKLOADS)} (default ddp), or MODULE:FUNC returning a "
-                   "one-step callable (run on every rank)")
+    p.add_argument(
+        "--workload",
+        help=f"{' or '.join(WORKLOADS)} (default ddp), or MODULE:FUNC returning a "
+        "one-step callable (run on every rank)",
+    )
     p.add_argument("--blocks", type=int, help="off/on pairs of blocks (default: ddp 10, grpo 8)")
     p.add_argument("--steps", type=int, help="steps a block (default: ddp 20, grpo 2)")
     args = p.parse_args()

@@ -6,6 +6,7 @@ the ratio ours / TRL last.
 
     python bench/sft_vs_trl.py [--reps 3] [--steps 30] [--warmup 5] [--nproc N] [--threads T] [KEY=VALUE ...]
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,8 +18,10 @@ STAGE = "stage1_sft"
 
 
 def ours_steps(rows: list[dict], global_batch: int) -> list[Step]:
-    return [Step(seconds, {"trained tokens": r["loss_tokens"], "samples": global_batch})
-            for seconds, r in zip(versus.step_wall_seconds(rows), rows)]
+    return [
+        Step(seconds, {"trained tokens": r["loss_tokens"], "samples": global_batch})
+        for seconds, r in zip(versus.step_wall_seconds(rows), rows)
+    ]
 
 
 def peer_worker(run_dir: str, out: str, steps: str) -> None:
@@ -34,15 +37,29 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
     run, cfg, stage, model_dir = versus.peer_setup(run_dir, STAGE)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = tokenize_examples(tokenizer, read_examples(run.task_file("sft")), stage.max_seq_len)
-    data = Dataset.from_dict({"input_ids": [s.input_ids for s in samples],
-                              "completion_mask": [s.loss_mask for s in samples]})
-    args = SFTConfig(output_dir=str(run.root / "trl-sft"), per_device_train_batch_size=stage.micro_batch_size,
-                     gradient_accumulation_steps=stage.global_batch_size // stage.micro_batch_size,
-                     max_steps=int(steps), learning_rate=stage.lr, lr_scheduler_type="cosine",
-                     warmup_steps=stage.warmup_steps, weight_decay=stage.weight_decay, max_grad_norm=stage.grad_clip,
-                     max_length=stage.max_seq_len + 1, completion_only_loss=True, use_cpu=True, bf16=False,
-                     logging_steps=1 << 30, save_strategy="no", report_to=[], seed=cfg.seed,
-                     dataloader_num_workers=0)
+    data = Dataset.from_dict(
+        {"input_ids": [s.input_ids for s in samples], "completion_mask": [s.loss_mask for s in samples]}
+    )
+    args = SFTConfig(
+        output_dir=str(run.root / "trl-sft"),
+        per_device_train_batch_size=stage.micro_batch_size,
+        gradient_accumulation_steps=stage.global_batch_size // stage.micro_batch_size,
+        max_steps=int(steps),
+        learning_rate=stage.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=stage.warmup_steps,
+        weight_decay=stage.weight_decay,
+        max_grad_norm=stage.grad_clip,
+        max_length=stage.max_seq_len + 1,
+        completion_only_loss=True,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1 << 30,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.seed,
+        dataloader_num_workers=0,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trained_tokens = [0]
 
@@ -64,8 +81,12 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
 def main() -> None:
     args = versus.parser(__doc__, steps=30, warmup=5).parse_args()
     total = args.warmup + args.steps
-    overrides = [f"{STAGE}.steps={total}", f"{STAGE}.checkpoint_every={total}", "eval.num_examples=10",
-                 *args.overrides]
+    overrides = [
+        f"{STAGE}.steps={total}",
+        f"{STAGE}.checkpoint_every={total}",
+        "eval.num_examples=10",
+        *args.overrides,
+    ]
     cfg, run = versus.prepare(args.config, args.out, overrides)
     nproc = args.nproc or cfg.nproc
     stage = cfg.stage1_sft
@@ -73,11 +94,16 @@ def main() -> None:
         sys.exit(f"{STAGE}.dtype: the comparison is in fp32, got {stage.dtype}")
     runs = versus.interleaved(
         args.reps,
-        lambda: ours_steps(versus.run_ours(run, STAGE, nproc, args.threads, args.warmup), stage.global_batch_size),
-        lambda: versus.run_peer(__file__, run, args.threads, [str(total)]))
-    setup = (f"{STAGE} vs TRL SFTTrainer: global batch {stage.global_batch_size}, micro {stage.micro_batch_size}, "
-             f"max_seq_len {stage.max_seq_len}, {stage.dtype}; ours {nproc} ranks x {max(1, args.threads // nproc)} "
-             f"threads, TRL 1 process x {args.threads} threads; {args.steps} steps after {args.warmup} warm-up")
+        lambda: ours_steps(
+            versus.run_ours(run, STAGE, nproc, args.threads, args.warmup), stage.global_batch_size
+        ),
+        lambda: versus.run_peer(__file__, run, args.threads, [str(total)]),
+    )
+    setup = (
+        f"{STAGE} vs TRL SFTTrainer: global batch {stage.global_batch_size}, micro {stage.micro_batch_size}, "
+        f"max_seq_len {stage.max_seq_len}, {stage.dtype}; ours {nproc} ranks x {max(1, args.threads // nproc)} "
+        f"threads, TRL 1 process x {args.threads} threads; {args.steps} steps after {args.warmup} warm-up"
+    )
     versus.compare(runs, args.warmup, ["trained tokens", "samples"], "trained tokens", setup)
 
 

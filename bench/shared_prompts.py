@@ -8,6 +8,7 @@ last.
 
     python bench/shared_prompts.py [--reps 15] [--seed 0]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,13 @@ from transformers import LlamaForCausalLM
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from verl.protocol import DataProto  # noqa: E402
+
 from core.config import load_config  # noqa: E402
-from stages.inputs import TINY_VOCAB_SIZE  # noqa: E402
 from stages.grpo.logprobs import response_log_probs  # noqa: E402
 from stages.grpo.rollout import sequences  # noqa: E402
+from stages.inputs import TINY_VOCAB_SIZE  # noqa: E402
 from stages.models.tiny import build_tiny_llama  # noqa: E402
-from verl.protocol import DataProto  # noqa: E402
 
 PROMPTS, PROMPT_TOKENS, MIN_LENGTH, PAD, EOS = 8, 17, 10, 0, 1
 
@@ -37,22 +39,36 @@ def embedded_default():
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [])
     t = cfg.model.tiny
     with tempfile.TemporaryDirectory() as out:
-        build_tiny_llama(out, vocab_size=TINY_VOCAB_SIZE, hidden_size=t.hidden_size, num_layers=t.num_layers,
-                         num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, ffn_hidden_size=t.ffn_hidden_size,
-                         pad_token_id=PAD, eos_token_id=EOS)
+        build_tiny_llama(
+            out,
+            vocab_size=TINY_VOCAB_SIZE,
+            hidden_size=t.hidden_size,
+            num_layers=t.num_layers,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            ffn_hidden_size=t.ffn_hidden_size,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+        )
         return LlamaForCausalLM.from_pretrained(out), cfg.stage2_grpo
 
 
 def rollout_batch(group_size: int, max_new_tokens: int, temperature: float, seed: int) -> DataProto:
     g = torch.Generator().manual_seed(seed)
     rows = PROMPTS * group_size
-    prompt = torch.randint(2, TINY_VOCAB_SIZE, (PROMPTS, PROMPT_TOKENS), generator=g).repeat_interleave(group_size, 0)
+    prompt = torch.randint(2, TINY_VOCAB_SIZE, (PROMPTS, PROMPT_TOKENS), generator=g).repeat_interleave(
+        group_size, 0
+    )
     responses = torch.randint(2, TINY_VOCAB_SIZE, (rows, max_new_tokens), generator=g)
-    for row, length in enumerate(torch.randint(MIN_LENGTH, max_new_tokens + 1, (rows,), generator=g).tolist()):
-        responses[row, length - 1:length] = EOS
+    for row, length in enumerate(
+        torch.randint(MIN_LENGTH, max_new_tokens + 1, (rows,), generator=g).tolist()
+    ):
+        responses[row, length - 1 : length] = EOS
         responses[row, length:] = PAD
-    return DataProto.from_dict(tensors=sequences(prompt, torch.ones_like(prompt), responses, EOS),
-                               meta_info={"temperature": temperature})
+    return DataProto.from_dict(
+        tensors=sequences(prompt, torch.ones_like(prompt), responses, EOS),
+        meta_info={"temperature": temperature},
+    )
 
 
 def main() -> None:
@@ -70,12 +86,16 @@ def main() -> None:
             response_log_probs(model, batch, True, stage.micro_batch_size, share_prompts=share_prompts)
 
     def forward_backward(share_prompts: bool) -> None:
-        log_probs, _ = response_log_probs(model, batch, True, stage.micro_batch_size, share_prompts=share_prompts)
+        log_probs, _ = response_log_probs(
+            model, batch, True, stage.micro_batch_size, share_prompts=share_prompts
+        )
         (log_probs * mask).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    print(f"{len(batch)} rows ({PROMPTS} prompts x {stage.group_size}), prompts {PROMPT_TOKENS} tokens, responses "
-          f"{mask.sum(1).float().mean():.1f} tokens on average, micro-batches of {stage.micro_batch_size}")
+    print(
+        f"{len(batch)} rows ({PROMPTS} prompts x {stage.group_size}), prompts {PROMPT_TOKENS} tokens, responses "
+        f"{mask.sum(1).float().mean():.1f} tokens on average, micro-batches of {stage.micro_batch_size}"
+    )
     for name, run in (("forward", forward), ("forward+backward", forward_backward)):
         times = {True: [], False: []}
         for rep in range(args.reps + 1):  # the first round warms up
@@ -85,7 +105,9 @@ def main() -> None:
                 if rep:
                     times[share_prompts].append(time.perf_counter() - start)
         whole, shared = (statistics.median(times[s]) * 1e3 for s in (False, True))
-        print(f"{name}: whole rows {whole:.1f} ms, shared prompts {shared:.1f} ms, whole / shared {whole / shared:.2f}")
+        print(
+            f"{name}: whole rows {whole:.1f} ms, shared prompts {shared:.1f} ms, whole / shared {whole / shared:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ thread count. Repetitions alternate ours / peer, so a load on the shared machine
 each repetition's throughput is taken over its steady-state steps (the first `--warmup` steps
 dropped), and the figure printed last is median(ours) / median(peer).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,10 @@ sys.path.insert(0, str(REPO))
 
 from analysis.events import load_events  # noqa: E402
 from analysis.matching import match_calls, wait_by_rank  # noqa: E402
-from launch.local import run_stage_locally  # noqa: E402
 from core.config import RunConfig, load_config  # noqa: E402
-from pipeline.driver import prepare_run  # noqa: E402
 from core.rundir import RunDir  # noqa: E402
+from launch.local import run_stage_locally  # noqa: E402
+from pipeline.driver import prepare_run  # noqa: E402
 
 PEER_FLAG = "--peer-worker"
 
@@ -47,8 +48,12 @@ def parser(doc: str, steps: int, warmup: int) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=steps, help="measured steps per repetition")
     p.add_argument("--warmup", type=int, default=warmup, help="steps run first and not measured")
     p.add_argument("--nproc", type=int, help="our ranks (default: the config's nproc); TRL runs one process")
-    p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="total intra-op threads of each side: ours threads/nproc per rank, TRL all in one process")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="total intra-op threads of each side: ours threads/nproc per rank, TRL all in one process",
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for hpcr1 run")
     return p
 
@@ -71,7 +76,9 @@ def run_ours(run: RunDir, stage_id: str, nproc: int, threads: int, warmup: int |
         sys.exit(f"our {stage_id} failed:\n{logs}")
     rows = [json.loads(line) for line in run.metrics(stage_id).read_text().splitlines()]
     if warmup is not None:
-        print_rank_waits(run, stage_id, [row["step"] for row in rows[warmup:]], step_wall_seconds(rows)[warmup:])
+        print_rank_waits(
+            run, stage_id, [row["step"] for row in rows[warmup:]], step_wall_seconds(rows)[warmup:]
+        )
     return rows
 
 
@@ -89,13 +96,19 @@ def print_rank_waits(run: RunDir, stage_id: str, steps: list[int], seconds: list
     step synchronous data parallelism loses to the ranks' speed differing (on a shared machine,
     mostly noise), from the stage's communication profile (absent with profile.comm false)."""
     # the checkpoint after the last step and the held-out eval of final/ are outside the steps
-    calls = [c for c in match_calls(load_events(run.stage(stage_id)))
-             if c.step in steps and c.phase not in ("checkpoint", "eval")]
+    calls = [
+        c
+        for c in match_calls(load_events(run.stage(stage_id)))
+        if c.step in steps and c.phase not in ("checkpoint", "eval")
+    ]
     if not calls:
         return
     waits = wait_by_rank(calls)
-    print(f"ours: waiting for the slowest rank in collectives, ms a step (of {1000 * statistics.mean(seconds):.0f}): "
-          + ", ".join(f"rank {r} {1000 * waits[r] / len(steps):.0f}" for r in sorted(waits)), flush=True)
+    print(
+        f"ours: waiting for the slowest rank in collectives, ms a step (of {1000 * statistics.mean(seconds):.0f}): "
+        + ", ".join(f"rank {r} {1000 * waits[r] / len(steps):.0f}" for r in sorted(waits)),
+        flush=True,
+    )
 
 
 def run_peer(script: str, run: RunDir, threads: int, args: list[str]) -> list[Step]:
@@ -105,8 +118,13 @@ def run_peer(script: str, run: RunDir, threads: int, args: list[str]) -> list[St
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     log = run.root / "peer.log"
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, script, PEER_FLAG, str(run.root), str(out), *args], env=env,
-                            stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
+        rc = subprocess.run(
+            [sys.executable, script, PEER_FLAG, str(run.root), str(out), *args],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        ).returncode
     if rc != 0:
         sys.exit(f"the TRL side failed (exit {rc}):\n{log.read_text()[-3000:]}")
     return [Step(**json.loads(line)) for line in out.read_text().splitlines()]
@@ -160,8 +178,9 @@ def throughput(steps: list[Step], warmup: int, unit: str) -> float:
     return sum(s.units[unit] for s in measured) / sum(s.seconds for s in measured)
 
 
-def compare(runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[str], headline: str,
-            setup: str) -> None:
+def compare(
+    runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[str], headline: str, setup: str
+) -> None:
     """Per repetition and median figures of both sides; the ratio of the headline unit last."""
     print(setup)
     rates = {}
@@ -170,16 +189,22 @@ def compare(runs: list[tuple[list[Step], list[Step]]], warmup: int, units: list[
         peer = [throughput(p, warmup, unit) for _, p in runs]
         rates[unit] = ours, peer
         ours_median, peer_median = statistics.median(ours), statistics.median(peer)
-        print(f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {ours_median:.1f})  "
-              f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {peer_median:.1f})  "
-              f"ratio {ours_median / peer_median:.2f}")
+        print(
+            f"{unit}/s  ours: {' '.join(f'{v:.1f}' for v in ours)} (median {ours_median:.1f})  "
+            f"TRL: {' '.join(f'{v:.1f}' for v in peer)} (median {peer_median:.1f})  "
+            f"ratio {ours_median / peer_median:.2f}"
+        )
     # A pair ran back to back, so its ratio is untouched by the machine's drift between pairs (on a
     # shared VM both sides' speed can move by 10-20% over minutes): the spread says how far to trust
     # the headline, a ratio of medians taken at different times.
     ours, peer = rates[headline]
-    print(f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{o / p:.2f}' for o, p in zip(ours, peer))}")
-    print(f"ours / TRL, {headline} per second (median of {len(runs)}): "
-          f"{statistics.median(ours) / statistics.median(peer):.2f}")
+    print(
+        f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{o / p:.2f}' for o, p in zip(ours, peer))}"
+    )
+    print(
+        f"ours / TRL, {headline} per second (median of {len(runs)}): "
+        f"{statistics.median(ours) / statistics.median(peer):.2f}"
+    )
 
 
 def interleaved(reps: int, ours, peer) -> list[tuple[list[Step], list[Step]]]:

@@ -1,4 +1,5 @@
 """Crash-safe file writes: write a temporary sibling, fsync, rename over the target."""
+
 from __future__ import annotations
 
 import hashlib

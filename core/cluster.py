@@ -1,5 +1,6 @@
 """Cluster profiles (slurm/profiles/<name>.yaml): what an expert would put in an sbatch script for
 that machine. Typed like the run config: unknown keys and wrong types are errors naming the field."""
+
 from __future__ import annotations
 
 import re
@@ -20,6 +21,7 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 class RayPorts(Section):
     """Where the Ray cluster of a verl stage listens: fixed ports, so a site can open them in its
     firewall and two jobs on one node can be told apart (give them different profiles)."""
+
     gcs_port: Port = 6379
     """The head's GCS server (the address workers join)."""
     node_manager_port: Port = 6380
@@ -63,8 +65,11 @@ class RayPorts(Section):
 
     def component_ports(self) -> dict[str, int]:
         """Every fixed port, by field name: all but the worker range's bounds."""
-        return {field: port for field, port in self.model_dump().items()
-                if field.endswith("_port") and field not in ("min_worker_port", "max_worker_port")}
+        return {
+            field: port
+            for field, port in self.model_dump().items()
+            if field.endswith("_port") and field not in ("min_worker_port", "max_worker_port")
+        }
 
 
 class ClusterProfile(Section):

@@ -3,6 +3,7 @@
 `load_config(path, overrides)` returns a validated `RunConfig` or raises `ConfigError` naming the
 field; nothing is written before a config has passed. YAML files only override the defaults here.
 """
+
 from __future__ import annotations
 
 import json
@@ -156,6 +157,7 @@ class SFTStage(Section):
 
 class VerlConfig(Section):
     """What verl's trainer needs that the GRPO fields do not say (read only when engine is 'verl')."""
+
     backend: Literal["fsdp", "megatron"] = "fsdp"
     """How verl shards the actor and reference: FSDP, or megatron-core with the tp/pp below."""
     megatron_tp: PositiveInt = 1
@@ -339,7 +341,7 @@ class RunConfig(Section):
     stage4_grpo: GRPOStage | None = None
     """GRPO again, from stage 3 (absent: not in the graph)."""
 
-    def stages(self) -> dict[str, "SFTStage | GRPOStage | SynthStage"]:
+    def stages(self) -> dict[str, SFTStage | GRPOStage | SynthStage]:
         """The stage graph: present stages in their canonical order."""
         return {sid: getattr(self, sid) for sid in STAGE_IDS if getattr(self, sid, None) is not None}
 
@@ -369,10 +371,13 @@ def _short_repr(value) -> str:
 def _with_absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
     """File paths relative to the config file become absolute, so the resolved config in the run
     directory means the same from anywhere (a batch job, `hpcr1 resume`)."""
+
     def absolute(p):
         return None if p is None else str(resolve_path(base, p).resolve())
 
-    data = cfg.data.model_copy(update={k: absolute(getattr(cfg.data, k)) for k in ("sft_file", "prompts_file", "eval_file")})
+    data = cfg.data.model_copy(
+        update={k: absolute(getattr(cfg.data, k)) for k in ("sft_file", "prompts_file", "eval_file")}
+    )
     model = cfg.model.model_copy(update={"path": absolute(cfg.model.path)})
     return cfg.model_copy(update={"data": data, "model": model})
 
@@ -395,7 +400,8 @@ class _YamlLoader(yaml.SafeLoader):
 _YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."))
+    list("-+0123456789."),
+)
 
 
 def _unique_keys_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -406,7 +412,9 @@ def _unique_keys_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: 
         if not isinstance(key, (str, int, float)):
             continue  # an unhashable key: construct_mapping reports it
         if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice", key_node.start_mark
+            )
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)
 
@@ -465,16 +473,24 @@ def model_dims(cfg: RunConfig, base: Path) -> dict:
     if cfg.model.source == "tiny":
         t = cfg.model.tiny
         # The character tokenizer's vocabulary is padded to 128 (stages/data/tokenizer.py).
-        return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
-                "num_hidden_layers": t.num_layers, "vocab_size": 128}
+        return {
+            "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads,
+            "num_hidden_layers": t.num_layers,
+            "vocab_size": 128,
+        }
     if cfg.model.path is None:
         raise ConfigError("model.path", "required when model.source is 'hf'")
     config_json = resolve_path(base, cfg.model.path) / "config.json"
     if not config_json.is_file():
-        raise ConfigError("model.path", f"{config_json} not found (a Hugging Face model directory is expected)")
+        raise ConfigError(
+            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
+        )
     hf = json.loads(config_json.read_text())
-    return {k: hf.get(k, hf.get("num_attention_heads")) for k in
-            ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")}
+    return {
+        k: hf.get(k, hf.get("num_attention_heads"))
+        for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
+    }
 
 
 def resolve_path(base: Path, path: str) -> Path:
@@ -486,7 +502,9 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
     """Checks across fields: layouts that cannot be built, files that are not there, a broken graph."""
     t = cfg.model.tiny
     if cfg.model.source == "tiny" and t.num_heads % t.num_kv_heads:
-        raise ConfigError("model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})")
+        raise ConfigError(
+            "model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})"
+        )
     if cfg.data.task == "files" and data_files:
         for name in ("sft_file", "prompts_file", "eval_file"):
             value = getattr(cfg.data, name)
@@ -499,8 +517,10 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
     for sid, stage in cfg.stages().items():
         for src in stage.upstream():
             if src not in earlier:
-                raise ConfigError(f"{sid}.{'init_from' if src == stage.init_from else 'data'}",
-                                  f"{src!r} is not an earlier stage of this graph ({earlier})")
+                raise ConfigError(
+                    f"{sid}.{'init_from' if src == stage.init_from else 'data'}",
+                    f"{src!r} is not an earlier stage of this graph ({earlier})",
+                )
         if isinstance(stage, SFTStage):
             _check_sft_stage(cfg, sid, stage, dims)
         elif isinstance(stage, GRPOStage):
@@ -516,19 +536,31 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
         raise ConfigError(f"{sid}.parallel", f"tp*pp = {p.tp * p.pp} does not divide nproc ({cfg.nproc})")
     for what in ("num_attention_heads", "num_key_value_heads", "vocab_size"):
         if dims[what] % p.tp:
-            raise ConfigError(f"{sid}.parallel.tp", f"{p.tp} does not divide the model's {what} ({dims[what]})")
+            raise ConfigError(
+                f"{sid}.parallel.tp", f"{p.tp} does not divide the model's {what} ({dims[what]})"
+            )
     if dims["num_hidden_layers"] % p.pp:
-        raise ConfigError(f"{sid}.parallel.pp", f"{p.pp} does not divide the model's layers ({dims['num_hidden_layers']})")
+        raise ConfigError(
+            f"{sid}.parallel.pp", f"{p.pp} does not divide the model's layers ({dims['num_hidden_layers']})"
+        )
     if p.pp > 1:
-        raise ConfigError(f"{sid}.parallel.pp", "pipeline-parallel SFT training is not implemented yet "
-                          "(PP=2 conversion and forward are); use tp and data parallelism")
+        raise ConfigError(
+            f"{sid}.parallel.pp",
+            "pipeline-parallel SFT training is not implemented yet "
+            "(PP=2 conversion and forward are); use tp and data parallelism",
+        )
     if p.zero_stage == 3:
-        raise ConfigError(f"{sid}.parallel.zero_stage", "ZeRO-3 is not supported with megatron-core's tensor "
-                          "parallel layers here; use 0, 1 or 2")
+        raise ConfigError(
+            f"{sid}.parallel.zero_stage",
+            "ZeRO-3 is not supported with megatron-core's tensor parallel layers here; use 0, 1 or 2",
+        )
     dp = cfg.nproc // (p.tp * p.pp)
     if s.global_batch_size % (s.micro_batch_size * dp):
-        raise ConfigError(f"{sid}.global_batch_size", f"{s.global_batch_size} is not a multiple of "
-                          f"micro_batch_size * data-parallel size ({s.micro_batch_size} * {dp})")
+        raise ConfigError(
+            f"{sid}.global_batch_size",
+            f"{s.global_batch_size} is not a multiple of "
+            f"micro_batch_size * data-parallel size ({s.micro_batch_size} * {dp})",
+        )
 
 
 def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
@@ -537,8 +569,11 @@ def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     if s.engine == "verl":
         return  # verl splits batches over GPUs its own way: checked against verl's rules at submission
     if s.prompts_per_step % cfg.nproc:
-        raise ConfigError(f"{sid}.prompts_per_step", f"{s.prompts_per_step} is not a multiple of nproc ({cfg.nproc})")
+        raise ConfigError(
+            f"{sid}.prompts_per_step", f"{s.prompts_per_step} is not a multiple of nproc ({cfg.nproc})"
+        )
     if (s.prompts_per_step // cfg.nproc) % s.mini_batches:
-        raise ConfigError(f"{sid}.mini_batches", f"{s.mini_batches} does not divide the prompts per rank "
-                          f"({s.prompts_per_step // cfg.nproc})")
-
+        raise ConfigError(
+            f"{sid}.mini_batches",
+            f"{s.mini_batches} does not divide the prompts per rank ({s.prompts_per_step // cfg.nproc})",
+        )

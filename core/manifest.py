@@ -1,4 +1,5 @@
 """manifest.json: per-stage state of a run, rewritten atomically after every change."""
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,9 @@ class Manifest:
 
     def start_attempt(self, stage_id: str) -> None:
         entry = self.stage(stage_id)
-        self.update(stage_id, state="running", attempts=entry["attempts"] + 1, started=_now(), ended=None, error=None)
+        self.update(
+            stage_id, state="running", attempts=entry["attempts"] + 1, started=_now(), ended=None, error=None
+        )
 
     def finish(self, stage_id: str, **fields) -> None:
         self.update(stage_id, state="done", ended=_now(), **fields)

@@ -1,4 +1,5 @@
 """Paths of the run directory (DESIGN.md, "The run directory"): one place that knows the layout."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ The JSON it writes is what the report draws as the achievable bandwidth line.
 
 Run outside a launcher, it starts itself on --nproc ranks (torchrun, or mpirun for --backend mpi).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hpcr1 commbench", description=__doc__)
     p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default="gloo")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {', '.join(OPS)}")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="bytes S per call, comma-separated (K/M/G suffixes)")
+    p.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help="bytes S per call, comma-separated (K/M/G suffixes)"
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2, help="ranks to start when not already under a launcher")
@@ -50,8 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def result_row(op: str, nbytes: int, seconds: float, n: int) -> dict:
     name = "send" if op == "send_recv" else op
-    return {"bytes": nbytes, "latency_us": seconds * 1e6, "algbw_GBps": alg_bandwidth(nbytes, seconds) / 1e9,
-            "busbw_GBps": bus_bandwidth(name, nbytes, seconds, n) / 1e9}
+    return {
+        "bytes": nbytes,
+        "latency_us": seconds * 1e6,
+        "algbw_GBps": alg_bandwidth(nbytes, seconds) / 1e9,
+        "busbw_GBps": bus_bandwidth(name, nbytes, seconds, n) / 1e9,
+    }
 
 
 # ---- torch.distributed -----------------------------------------------------------------------
@@ -70,7 +77,9 @@ def torch_call(op: str, nbytes: int, rank: int, n: int, device):
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(piece, whole),
         "broadcast": lambda: dist.broadcast(whole, 0),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(whole), whole),
-        "send_recv": lambda: (dist.send(whole, peer) if rank % 2 == 0 else dist.recv(whole, peer)) if peer < n else None,
+        "send_recv": lambda: (
+            (dist.send(whole, peer) if rank % 2 == 0 else dist.recv(whole, peer)) if peer < n else None
+        ),
     }
     return calls[op], numel * 4
 
@@ -112,7 +121,11 @@ def mpi_call(comm, op: str, nbytes: int):
 
     rank, n = comm.Get_rank(), comm.Get_size()
     numel = max(n, nbytes // 4 // n * n)
-    whole, piece, other = np.ones(numel, np.float32), np.ones(numel // n, np.float32), np.empty(numel, np.float32)
+    whole, piece, other = (
+        np.ones(numel, np.float32),
+        np.ones(numel // n, np.float32),
+        np.empty(numel, np.float32),
+    )
     peer = rank ^ 1
     calls = {
         "all_reduce": lambda: comm.Allreduce(whole, other, op=MPI.SUM),
@@ -120,7 +133,11 @@ def mpi_call(comm, op: str, nbytes: int):
         "reduce_scatter": lambda: comm.Reduce_scatter_block(whole, piece, op=MPI.SUM),
         "broadcast": lambda: comm.Bcast(whole, root=0),
         "all_to_all": lambda: comm.Alltoall(whole, other),
-        "send_recv": lambda: (comm.Send(whole, dest=peer) if rank % 2 == 0 else comm.Recv(whole, source=peer)) if peer < n else None,
+        "send_recv": lambda: (
+            (comm.Send(whole, dest=peer) if rank % 2 == 0 else comm.Recv(whole, source=peer))
+            if peer < n
+            else None
+        ),
     }
     return calls[op], numel * 4
 
@@ -156,8 +173,15 @@ def relaunch(args, argv: list[str]) -> int:
     if args.backend == "mpi":
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *me]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "-m",
-               "launch.commbench", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={args.nproc}",
+            "-m",
+            "launch.commbench",
+            *argv,
+        ]
     return subprocess.run(cmd).returncode
 
 

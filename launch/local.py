@@ -1,4 +1,5 @@
 """Running one stage on this machine: torchrun with N ranks of launch.worker."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.rank_failure import TORCHRUN_FAILURES
 from core.rundir import RunDir
+from runtime.rank_failure import TORCHRUN_FAILURES
 
 
 def free_port() -> int:
@@ -20,8 +21,18 @@ def free_port() -> int:
 
 def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
     failures = RunDir(run_dir).logs(stage_id) / TORCHRUN_FAILURES
-    return [sys.executable, "-m", "launch.torchrun", str(failures), f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}", "-m", "launch.worker", str(run_dir), stage_id]
+    return [
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        str(failures),
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        "-m",
+        "launch.worker",
+        str(run_dir),
+        stage_id,
+    ]
 
 
 def repo_env() -> dict[str, str]:

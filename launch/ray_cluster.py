@@ -4,6 +4,7 @@ says what is missing. Run by slurm/templates/verl_grpo.sbatch:
 
     python -m launch.ray_cluster ADDRESS NODES GPUS_PER_NODE TIMEOUT_S
 """
+
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,9 @@ import time
 
 def gpu_nodes(nodes: list[dict], gpus_per_node: int) -> list[str]:
     """Addresses of the live nodes that offer at least `gpus_per_node` GPUs (ray.nodes() rows)."""
-    return [n["NodeManagerAddress"] for n in nodes if n["Alive"] and n["Resources"].get("GPU", 0) >= gpus_per_node]
+    return [
+        n["NodeManagerAddress"] for n in nodes if n["Alive"] and n["Resources"].get("GPU", 0) >= gpus_per_node
+    ]
 
 
 def connect(address: str, deadline: float, poll_s: float) -> None:
@@ -31,7 +34,9 @@ def connect(address: str, deadline: float, poll_s: float) -> None:
             time.sleep(poll_s)
 
 
-def wait_for_nodes(address: str, want: int, gpus_per_node: int, timeout_s: float, poll_s: float = 2.0) -> list[str]:
+def wait_for_nodes(
+    address: str, want: int, gpus_per_node: int, timeout_s: float, poll_s: float = 2.0
+) -> list[str]:
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -42,8 +47,10 @@ def wait_for_nodes(address: str, want: int, gpus_per_node: int, timeout_s: float
             if len(ready) >= want:
                 return ready
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"only {len(ready)} of {want} nodes joined the Ray cluster at {address} with "
-                                   f"{gpus_per_node} GPU(s) each within {timeout_s:.0f} s (joined: {ready or 'none'})")
+                raise TimeoutError(
+                    f"only {len(ready)} of {want} nodes joined the Ray cluster at {address} with "
+                    f"{gpus_per_node} GPU(s) each within {timeout_s:.0f} s (joined: {ready or 'none'})"
+                )
             time.sleep(poll_s)
     finally:
         ray.shutdown()

@@ -5,6 +5,7 @@ the run directory, paths, environment values — reaches the shell through `shle
 name and output file are passed on sbatch's command line (no shell parses them), so quotes, `$()`,
 backticks, spaces or newlines in them cannot run anything.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,13 +22,22 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def directives(profile: ClusterProfile, nodes: int) -> list[str]:
-    lines = [f"--nodes={nodes}", f"--ntasks-per-node={profile.tasks_per_node()}",
-             f"--cpus-per-task={profile.cpus_per_task}", f"--time={profile.time_limit}",
-             f"--signal=B:USR1@{profile.signal_seconds}", "--open-mode=append"]
+    lines = [
+        f"--nodes={nodes}",
+        f"--ntasks-per-node={profile.tasks_per_node()}",
+        f"--cpus-per-task={profile.cpus_per_task}",
+        f"--time={profile.time_limit}",
+        f"--signal=B:USR1@{profile.signal_seconds}",
+        "--open-mode=append",
+    ]
     if profile.gpus_per_node:
         lines.append(f"--gpus-per-node={profile.gpus_per_node}")
-    for flag, value in (("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
-                        ("constraint", profile.constraint)):
+    for flag, value in (
+        ("partition", profile.partition),
+        ("account", profile.account),
+        ("qos", profile.qos),
+        ("constraint", profile.constraint),
+    ):
         if value:
             lines.append(f"--{flag}={value}")
     if profile.requeue:
@@ -44,20 +54,31 @@ def env_exports(profile: ClusterProfile) -> list[str]:
     return exports
 
 
-def render_stage_script(profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int,
-                        python: str = sys.executable) -> str:
+def render_stage_script(
+    profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str = sys.executable
+) -> str:
     return _render(TEMPLATE, profile, run_dir, stage_id, nodes, python)
 
 
-def render_verl_script(profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int,
-                       python: str = sys.executable) -> str:
+def render_verl_script(
+    profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str = sys.executable
+) -> str:
     """A GRPO stage with engine 'verl': Ray on the allocation with the profile's ports, then the stage."""
-    return _render(VERL_TEMPLATE, profile, run_dir, stage_id, nodes, python,
-                   gpus_per_node=profile.gpus_per_node, **profile.ray.model_dump())
+    return _render(
+        VERL_TEMPLATE,
+        profile,
+        run_dir,
+        stage_id,
+        nodes,
+        python,
+        gpus_per_node=profile.gpus_per_node,
+        **profile.ray.model_dump(),
+    )
 
 
-def _render(template: Path, profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str,
-            **extra) -> str:
+def _render(
+    template: Path, profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str, **extra
+) -> str:
     q = shlex.quote
     return template.read_text().format(
         directives="\n".join(f"#SBATCH {d}" for d in directives(profile, nodes)),
@@ -75,8 +96,12 @@ def _render(template: Path, profile: ClusterProfile, run_dir: Path, stage_id: st
 
 def sbatch_command(script: Path, run_dir: Path, stage_id: str, dependency: str | None) -> list[str]:
     """The sbatch argv (run without a shell): user-derived values stay single arguments."""
-    cmd = ["sbatch", "--parsable", f"--job-name=hpcr1-{stage_id}",
-           f"--output={run_dir / stage_id / 'logs' / 'slurm-%j.out'}"]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        f"--job-name=hpcr1-{stage_id}",
+        f"--output={run_dir / stage_id / 'logs' / 'slurm-%j.out'}",
+    ]
     if dependency:
         cmd.append(f"--dependency=afterok:{dependency}")
     return cmd + [str(script)]

@@ -1,5 +1,6 @@
 """Job state from Slurm: squeue for queued/running jobs, `sacct -c` (the job-completion log) for
 finished ones. Missing tools or jobs give no entry, never an error: status must always print."""
+
 from __future__ import annotations
 
 import shutil
@@ -10,7 +11,9 @@ def _query(cmd: list[str]) -> list[list[str]]:
     if shutil.which(cmd[0]) is None:
         return []
     out = subprocess.run(cmd, capture_output=True, text=True)
-    return [line.split("|") for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    return (
+        [line.split("|") for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    )
 
 
 def job_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
@@ -19,8 +22,11 @@ def job_states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
     if not job_ids:
         return {}
     ids = ",".join(job_ids)
-    states = {row[0]: (f"{row[1]} ({row[3]})" if row[1] == "PENDING" else row[1], row[2])
-              for row in _query(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%r"]) if len(row) == 4}
+    states = {
+        row[0]: (f"{row[1]} ({row[3]})" if row[1] == "PENDING" else row[1], row[2])
+        for row in _query(["squeue", "-h", "-j", ids, "-o", "%i|%T|%M|%r"])
+        if len(row) == 4
+    }
     finished = [j for j in job_ids if j not in states]
     if finished:
         for row in _query(["sacct", "-c", "-n", "-P", "-j", ",".join(finished), "-o", "JobID,State,Elapsed"]):

@@ -2,6 +2,7 @@
 from the Slurm env) or with torchrun per node (c10d rendezvous on the first node, through
 launch.torchrun); forward USR1 to them. No sleeps: torch.distributed's rendezvous waits for every
 rank with its own timeout."""
+
 from __future__ import annotations
 
 import os
@@ -9,13 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from core.rundir import RunDir
 from launch.local import repo_env, run_forwarding_usr1
 from runtime.rank_failure import TORCHRUN_FAILURES
-from core.rundir import RunDir
 
 
 def first_host(nodelist: str) -> str:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
     return out.stdout.split()[0]
 
 
@@ -32,10 +35,24 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
     per_node = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
     endpoint = f"{first_host(os.environ['SLURM_JOB_NODELIST'])}:{rendezvous_port(os.environ['SLURM_JOB_ID'])}"
     # Each node's torchrun writes how its ranks failed; the file is per node.
-    failures = RunDir(run_dir).logs(stage_id) / f"{os.environ.get('SLURMD_NODENAME', 'node')}-{TORCHRUN_FAILURES}"
-    return ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", sys.executable, "-m", "launch.torchrun",
-            str(failures), f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={os.environ['SLURM_JOB_ID']}", *worker]
+    failures = (
+        RunDir(run_dir).logs(stage_id) / f"{os.environ.get('SLURMD_NODENAME', 'node')}-{TORCHRUN_FAILURES}"
+    )
+    return [
+        "srun",
+        "--kill-on-bad-exit=1",
+        "--ntasks-per-node=1",
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        str(failures),
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={os.environ['SLURM_JOB_ID']}",
+        *worker,
+    ]
 
 
 def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, ...] = ()) -> int:
@@ -44,7 +61,9 @@ def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, .
     env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
     env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
     # srun passes USR1 on to every task: a rank, or launch.torchrun, which passes it to its ranks.
-    return run_forwarding_usr1(srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env, pass_fds)
+    return run_forwarding_usr1(
+        srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env, pass_fds
+    )
 
 
 def requeue_self() -> None:

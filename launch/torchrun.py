@@ -9,6 +9,7 @@ action) and report ranks that stopped to be requeued as failed: USR1 is passed o
 and when ranks stopped with PREEMPTED_EXIT (their checkpoint sealed behind a barrier) and the rest
 only by torchrun's SIGTERM that followed, this process exits with PREEMPTED_EXIT too.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import psutil
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from runtime.preemption import PREEMPTED_EXIT
 from core.atomic import atomic_write_text
+from runtime.preemption import PREEMPTED_EXIT
 
 
 def _forward_to_ranks(signum, frame) -> None:
@@ -46,8 +47,15 @@ def main(argv: list[str]) -> None:
         if preempted(e.failures.values()):
             sys.exit(PREEMPTED_EXIT)
         # Insertion order is the order torchrun's monitor saw the ranks end (a poll every 0.1 s).
-        ended = [{"rank": rank, "exitcode": f.exitcode, "signal": None if f.exitcode >= 0 else f.signal_name(),
-                  "timestamp": f.timestamp} for rank, f in e.failures.items()]
+        ended = [
+            {
+                "rank": rank,
+                "exitcode": f.exitcode,
+                "signal": None if f.exitcode >= 0 else f.signal_name(),
+                "timestamp": f.timestamp,
+            }
+            for rank, f in e.failures.items()
+        ]
         atomic_write_text(failures_file, json.dumps(ended, indent=2) + "\n")
         raise
 

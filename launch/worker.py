@@ -1,5 +1,6 @@
 """The process of one rank of one stage: `python -m launch.worker RUN_DIR STAGE_ID` under torchrun,
 srun or mpirun. Discovers its rank, joins the process group, runs the stage, leaves cleanly."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,12 @@ def redirect_output(log_dir: Path, rank: int):
     sys.stdout.flush(), sys.stderr.flush()
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        force=True,
+        format=f"%(asctime)s rank{rank} %(name)s: %(message)s",
+    )
     return terminal
 
 
@@ -43,14 +48,14 @@ def die_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
-    from runtime.comm_profiler import CommProfiler
-    from runtime.dist import discover_ranks, init_distributed, shutdown_distributed
-    from runtime.preemption import PREEMPTED_EXIT, install_handlers
-    from runtime.rank_failure import record_exception
     from core.config import RunConfig
     from core.manifest import Manifest
     from core.rundir import RunDir
+    from runtime.comm_profiler import CommProfiler
     from runtime.context import StageContext
+    from runtime.dist import discover_ranks, init_distributed, shutdown_distributed
+    from runtime.preemption import PREEMPTED_EXIT, install_handlers
+    from runtime.rank_failure import record_exception
     from stages.kinds import STAGE_RUNNERS
 
     run = RunDir(Path(run_dir))

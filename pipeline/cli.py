@@ -2,13 +2,13 @@
 
 Exit codes: 0 success, 2 bad input (one message naming the field or line), 1 a failure while running.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
-
 
 # Commands whose own parser lives with their module: everything after the name is theirs (`--help`
 # included), which argparse's REMAINDER cannot pass on when it starts with an option.
@@ -78,13 +78,22 @@ def _parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", help="weak scaling: one run per GPU count, the batch per GPU fixed")
     sw.add_argument("config")
     sw.add_argument("--gpus", required=True, help="GPU (rank) counts, comma-separated, e.g. 16,32,64,128")
-    sw.add_argument("--per-gpu-batch", type=int, required=True,
-                    help="SFT sequences per data-parallel rank, GRPO prompts per rank (pipeline/sweep.py)")
-    sw.add_argument("--cluster", help="submit every scale to this cluster (default: run them here, one by one)")
+    sw.add_argument(
+        "--per-gpu-batch",
+        type=int,
+        required=True,
+        help="SFT sequences per data-parallel rank, GRPO prompts per rank (pipeline/sweep.py)",
+    )
+    sw.add_argument(
+        "--cluster", help="submit every scale to this cluster (default: run them here, one by one)"
+    )
     sw.add_argument("--sweep-dir", help="default: runs/<name>-sweep")
     sw.add_argument("--only", help="comma-separated stage ids")
-    sw.add_argument("--dry-run", action="store_true",
-                    help="write the run directories (and sbatch scripts with --cluster), run or submit nothing")
+    sw.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="write the run directories (and sbatch scripts with --cluster), run or submit nothing",
+    )
     sw.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sw.set_defaults(func=cmd_sweep)
 
@@ -107,12 +116,18 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir")
     status.set_defaults(func=cmd_status)
 
-    pl = sub.add_parser("plan", help="memory per GPU and per node of each stage for each GPU count, and the verdict")
+    pl = sub.add_parser(
+        "plan", help="memory per GPU and per node of each stage for each GPU count, and the verdict"
+    )
     pl.add_argument("config")
     pl.add_argument("--gpus", default="1,2,4,8,16,32,64,128,256", help="GPU counts, comma-separated")
     pl.add_argument("--cluster", default="perlmutter", help="profile name in slurm/profiles/ or a YAML path")
-    pl.add_argument("--gpu-memory-gib", type=float, help="instead of the profile's (80: Perlmutter's hbm80g nodes)")
-    pl.add_argument("--prompt-tokens", type=int, default=512, help="prompt length assumed for GRPO and generation")
+    pl.add_argument(
+        "--gpu-memory-gib", type=float, help="instead of the profile's (80: Perlmutter's hbm80g nodes)"
+    )
+    pl.add_argument(
+        "--prompt-tokens", type=int, default=512, help="prompt length assumed for GRPO and generation"
+    )
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     pl.add_argument("--out", help="the Markdown plan (default: plan-<name>.md here)")
     pl.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -160,8 +175,8 @@ def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
 def stages_exit_code(run_stages) -> int:
     """Call `run_stages()` (stages run here): 0, 1 when a stage failed, PREEMPTED_EXIT when one
     stopped on a signal with a checkpoint."""
-    from runtime.preemption import PREEMPTED_EXIT
     from pipeline.driver import StageFailed, StagePreempted
+    from runtime.preemption import PREEMPTED_EXIT
 
     try:
         run_stages()
@@ -192,8 +207,15 @@ def cmd_sweep(args) -> int:
 
     only = args.only.split(",") if args.only else None
     profile = load_profile(args.cluster) if args.cluster else None
-    sweep = plan_sweep(Path(args.config), args.overrides, parse_gpu_counts(args.gpus), args.per_gpu_batch,
-                       Path(args.sweep_dir) if args.sweep_dir else None, only, profile)
+    sweep = plan_sweep(
+        Path(args.config),
+        args.overrides,
+        parse_gpu_counts(args.gpus),
+        args.per_gpu_batch,
+        Path(args.sweep_dir) if args.sweep_dir else None,
+        only,
+        profile,
+    )
     rc = stages_exit_code(lambda: run_sweep(sweep, args.dry_run))
     if rc == 0:
         print(f"sweep directory: {sweep.root} (hpcr1 report {sweep.root})")
@@ -223,8 +245,8 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    from pipeline.driver import StageFailed
     from core.rundir import RunDir
+    from pipeline.driver import StageFailed
     from pipeline.submit import run_stage_job
 
     try:
@@ -245,8 +267,8 @@ def cmd_plan(args) -> int:
     from analysis import plan_report
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, parse_gpus, plan
-    from core.cluster import load_profile
     from core.atomic import atomic_write_text
+    from core.cluster import load_profile
     from core.config import ConfigError, load_config
 
     gpus = parse_gpus(args.gpus)

@@ -4,6 +4,7 @@ Resume rules (DESIGN.md): a done stage is never recomputed unless its inputs cha
 the stages that read it run again, and the manifest says which input changed); a running or failed
 stage is started again and its ranks continue from the newest valid step checkpoint.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,18 +12,18 @@ import json
 import shutil
 from pathlib import Path
 
-from launch.local import run_stage_locally
-from runtime.preemption import PREEMPTED_EXIT
-from runtime.rank_failure import forget_failures, stage_error
 from core.atomic import atomic_write_text, tree_checksums
 from core.config import ConfigError, RunConfig, dump_config
-from pipeline.fingerprint import changed_parts, digest, input_parts
-from stages.inputs import load_task, prepare_inputs
 from core.manifest import Manifest
 from core.rundir import RunDir
+from launch.local import run_stage_locally
+from pipeline.fingerprint import changed_parts, digest, input_parts
 from pipeline.runlock import hold_run_dir
+from runtime.preemption import PREEMPTED_EXIT
+from runtime.rank_failure import forget_failures, stage_error
 from stages.checkpoint import CheckpointDir
 from stages.engines.verl_trainer import refuse_local_verl
+from stages.inputs import load_task, prepare_inputs
 
 
 class StageFailed(RuntimeError):
@@ -33,8 +34,14 @@ class StagePreempted(RuntimeError):
     """The ranks checkpointed and stopped on a signal; starting the stage again continues it."""
 
 
-def run_pipeline(cfg: RunConfig, run: RunDir, config_dir: Path, only: list[str] | None = None,
-                 echo=print, launcher=run_stage_locally) -> None:
+def run_pipeline(
+    cfg: RunConfig,
+    run: RunDir,
+    config_dir: Path,
+    only: list[str] | None = None,
+    echo=print,
+    launcher=run_stage_locally,
+) -> None:
     """`launcher(run_dir, stage_id, nproc, pass_fds=...)` starts a stage's ranks and returns their
     exit code: torchrun here; tests of the stage graph's decisions pass a quick stand-in."""
     refuse_local_verl(cfg, only)
@@ -57,7 +64,9 @@ def check_run(cfg: RunConfig, config_dir: Path, only: list[str] | None = None) -
     """Check --only and read every data file: a bad one is reported before anything is written."""
     unknown = [sid for sid in only or () if sid not in cfg.stages()]
     if unknown:
-        raise ConfigError("--only", f"{', '.join(unknown)} not in this config's stages ({', '.join(cfg.stages())})")
+        raise ConfigError(
+            "--only", f"{', '.join(unknown)} not in this config's stages ({', '.join(cfg.stages())})"
+        )
     return load_task(cfg, config_dir)
 
 
@@ -148,8 +157,9 @@ def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) ->
         tail = _log_tail(run, sid, error.get("log"))
         raise StageFailed(f"{sid} failed (exit code {rc}): {error['summary']}\n{tail}")
     evaluation = json.loads(run.eval_result(sid).read_text())
-    manifest.finish(sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)),
-                    eval=evaluation)
+    manifest.finish(
+        sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)), eval=evaluation
+    )
     echo(f"{sid}: done, {_outcome(evaluation)}")
 
 

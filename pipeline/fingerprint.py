@@ -2,6 +2,7 @@
 reads, the base model or the outputs of the stages it starts from, and the held-out set its
 recorded accuracy is measured on. Stored in the manifest when the stage starts; a done stage whose
 parts differ on the next run is rerun, and the parts that differ say why."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,14 +18,19 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def input_parts(cfg: RunConfig, run: RunDir, sid: str, upstream_checksums: dict[str, dict | None]) -> dict[str, str]:
+def input_parts(
+    cfg: RunConfig, run: RunDir, sid: str, upstream_checksums: dict[str, dict | None]
+) -> dict[str, str]:
     """{part: digest}; `upstream_checksums` are the manifest checksums of the stages `sid` reads."""
     stage = getattr(cfg, sid)
-    parts = {f"config of {sid}": digest(stage.model_dump(mode="json")),
-             "seed and nproc": digest([cfg.seed, cfg.nproc]),
-             # The accuracy in the manifest is part of the result; the batch size only changes speed.
-             "held-out set": digest([file_sha256(run.task_file("eval")),
-                                     cfg.eval.model_dump(mode="json", exclude={"batch_size"})])}
+    parts = {
+        f"config of {sid}": digest(stage.model_dump(mode="json")),
+        "seed and nproc": digest([cfg.seed, cfg.nproc]),
+        # The accuracy in the manifest is part of the result; the batch size only changes speed.
+        "held-out set": digest(
+            [file_sha256(run.task_file("eval")), cfg.eval.model_dump(mode="json", exclude={"batch_size"})]
+        ),
+    }
     if stage.init_from == "base":
         parts["base model"] = digest([cfg.model.model_dump(mode="json"), files_fingerprint(run.base_model)])
     for split in data_splits(stage):
@@ -45,8 +51,11 @@ def files_fingerprint(root: Path) -> list:
     """Path, size and modification time of every file: notices an edited or replaced model
     without reading tens of GB on every run (the stage outputs are checksummed instead)."""
     root = root.resolve()
-    return [[str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
-            for p in sorted(root.rglob("*")) if p.is_file()]
+    return [
+        [str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    ]
 
 
 def changed_parts(before: dict[str, str] | None, now: dict[str, str]) -> list[str]:

@@ -6,6 +6,7 @@ lock left by processes that are gone is free again and simply taken over. The fi
 holder (pid, host, command, start) for the refusal message and is emptied on a clean release, so
 finding it non-empty on taking it means the last holder died holding it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,9 +34,20 @@ def hold_run_dir(path: Path, echo=print, wait_s: float = 0.0):
         _acquire(fd, path, echo, time.monotonic() + wait_s)
         previous = _read(fd)
         if previous:
-            echo(f"hpcr1: note: {path} was left by {_describe(previous)}, which is no longer running; taking it over")
-        _write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-                               "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+            echo(
+                f"hpcr1: note: {path} was left by {_describe(previous)}, which is no longer running; taking it over"
+            )
+        _write(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "command": " ".join(sys.argv),
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            ),
+        )
         try:
             yield fd
         finally:
@@ -50,13 +62,17 @@ def _acquire(fd: int, path: Path, echo, deadline: float) -> None:
             if time.monotonic() >= deadline:
                 holder = _read(fd)
                 who = _describe(holder) if holder else "another process (it has not written its name yet)"
-                raise RunDirBusy(f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
-                                 f"wait for it to end or stop it, then run again")
+                raise RunDirBusy(
+                    f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
+                    f"wait for it to end or stop it, then run again"
+                )
             time.sleep(0.1)
     except OSError as e:
         # Some parallel file systems are mounted without lock support: run, but say what is lost.
-        echo(f"hpcr1: warning: cannot lock {path} ({e.strerror}); a second run on this directory "
-             f"would not be refused")
+        echo(
+            f"hpcr1: warning: cannot lock {path} ({e.strerror}); a second run on this directory "
+            f"would not be refused"
+        )
 
 
 def _try_flock(fd: int) -> bool:

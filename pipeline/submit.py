@@ -5,33 +5,45 @@ not done in graph order, each depending on the previous with afterok; job ids go
 manifest. A dependant of a failed job is killed by Slurm (DependencyParameters=kill_invalid_depend
 on the local cluster; `--kill-on-invalid-dep=yes` on the command line elsewhere).
 """
+
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from core.cluster import ClusterProfile
-from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
-from launch.slurm_launch import requeue_self, run_stage_in_allocation
 from core.atomic import atomic_write_text
+from core.cluster import ClusterProfile
 from core.config import ConfigError, RunConfig, load_resolved
-from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from core.manifest import Manifest
 from core.rundir import RunDir
-from pipeline.runlock import hold_run_dir
+from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
+from launch.slurm_launch import requeue_self, run_stage_in_allocation
 from launch.verl_job import run_verl_stage
+from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
+from pipeline.runlock import hold_run_dir
 from stages.engines.verl_trainer import check_verl_stage, verl_stages
 
 
-def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, nodes: int,
-           dry_run: bool, echo=print, only: list[str] | None = None) -> dict[str, str]:
+def submit(
+    cfg: RunConfig,
+    run: RunDir,
+    config_dir: Path,
+    profile: ClusterProfile,
+    nodes: int,
+    dry_run: bool,
+    echo=print,
+    only: list[str] | None = None,
+) -> dict[str, str]:
     """Returns {stage id: job id} (script paths on a dry run); `only` limits it to those stages."""
     if nodes < 1:
         raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
     world = nodes * profile.tasks_per_node()
     if world != cfg.nproc:
-        raise ConfigError("nproc", f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
-                          f"tasks per node of cluster profile {profile.name!r}: set nproc={world}")
+        raise ConfigError(
+            "nproc",
+            f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
+            f"tasks per node of cluster profile {profile.name!r}: set nproc={world}",
+        )
     for sid in verl_stages(cfg, only):
         check_verl_stage(cfg, run, sid, nodes, profile.gpus_per_node)
     task = check_run(cfg, config_dir, only)
@@ -40,8 +52,15 @@ def submit(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfil
         return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
 
 
-def _submit_stages(cfg: RunConfig, run: RunDir, profile: ClusterProfile, nodes: int, dry_run: bool,
-                   echo, only: list[str] | None) -> dict[str, str]:
+def _submit_stages(
+    cfg: RunConfig,
+    run: RunDir,
+    profile: ClusterProfile,
+    nodes: int,
+    dry_run: bool,
+    echo,
+    only: list[str] | None,
+) -> dict[str, str]:
     manifest = Manifest(run.root)
     submitted: dict[str, str] = {}
     previous = None
@@ -76,7 +95,13 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
     launch = run_verl_stage if stage_id in verl_stages(cfg) else run_stage_in_allocation
     with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
         try:
-            run_stage(cfg, run, Manifest(run.root), stage_id, lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)))
+            run_stage(
+                cfg,
+                run,
+                Manifest(run.root),
+                stage_id,
+                lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)),
+            )
         except StagePreempted as e:
             print(e, flush=True)
             requeue_self()

@@ -14,17 +14,18 @@ its node count worked out, before anything is written: a scale that does not fit
 with the scale and the field named. <sweep>/sweep.json lists the scales, their run directories,
 B and the job ids once submitted; `hpcr1 report <sweep>` reads it.
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.cluster import ClusterProfile
 from core.atomic import atomic_write_text
+from core.cluster import ClusterProfile
 from core.config import ConfigError, GRPOStage, RunConfig, SFTStage, SynthStage, load_config
-from pipeline.driver import check_run, prepare_run, run_pipeline
 from core.rundir import RunDir
+from pipeline.driver import check_run, prepare_run, run_pipeline
 from pipeline.submit import submit
 
 SWEEP_FILE = "sweep.json"
@@ -56,15 +57,20 @@ def scaled_overrides(base: RunConfig, gpus: int, per_gpu_batch: int) -> list[str
         if isinstance(stage, SFTStage):
             model_parallel = stage.parallel.tp * stage.parallel.pp
             if gpus % model_parallel:
-                raise ConfigError(f"{sid}.parallel", f"tp*pp = {model_parallel} does not divide nproc ({gpus})")
+                raise ConfigError(
+                    f"{sid}.parallel", f"tp*pp = {model_parallel} does not divide nproc ({gpus})"
+                )
             dp = gpus // model_parallel
             overrides.append(f"{sid}.global_batch_size={per_gpu_batch * dp}")
         elif isinstance(stage, GRPOStage):
             overrides.append(f"{sid}.prompts_per_step={per_gpu_batch * gpus}")
         elif isinstance(stage, SynthStage):
             if (stage.num_prompts * gpus) % base.nproc:
-                raise ConfigError(f"{sid}.num_prompts", f"{stage.num_prompts} prompts over "
-                                  f"{base.nproc} ranks do not scale to a whole number at {gpus} ranks")
+                raise ConfigError(
+                    f"{sid}.num_prompts",
+                    f"{stage.num_prompts} prompts over "
+                    f"{base.nproc} ranks do not scale to a whole number at {gpus} ranks",
+                )
             overrides.append(f"{sid}.num_prompts={stage.num_prompts * gpus // base.nproc}")
     return overrides
 
@@ -79,15 +85,29 @@ class Sweep:
     scales: list[Scale]
 
     def write_record(self, dry_run: bool) -> None:
-        record = {"config": str(self.config.resolve()), "per_gpu_batch": self.per_gpu_batch, "only": self.only,
-                  "cluster": self.profile.name if self.profile else None, "dry_run": dry_run,
-                  "scales": [{"gpus": s.gpus, "nodes": s.nodes, "run_dir": s.run.root.name, "jobs": s.jobs}
-                             for s in self.scales]}
+        record = {
+            "config": str(self.config.resolve()),
+            "per_gpu_batch": self.per_gpu_batch,
+            "only": self.only,
+            "cluster": self.profile.name if self.profile else None,
+            "dry_run": dry_run,
+            "scales": [
+                {"gpus": s.gpus, "nodes": s.nodes, "run_dir": s.run.root.name, "jobs": s.jobs}
+                for s in self.scales
+            ],
+        }
         atomic_write_text(self.root / SWEEP_FILE, json.dumps(record, indent=2) + "\n")
 
 
-def plan_sweep(config: Path, overrides: list[str], gpus: list[int], per_gpu_batch: int, root: Path | None,
-               only: list[str] | None, profile: ClusterProfile | None) -> Sweep:
+def plan_sweep(
+    config: Path,
+    overrides: list[str],
+    gpus: list[int],
+    per_gpu_batch: int,
+    root: Path | None,
+    only: list[str] | None,
+    profile: ClusterProfile | None,
+) -> Sweep:
     """Every scale resolved and validated (root defaults to runs/<name>-sweep); nothing is written."""
     if per_gpu_batch < 1:
         raise ConfigError("--per-gpu-batch", f"must be at least 1 (got {per_gpu_batch})")
@@ -108,8 +128,11 @@ def plan_sweep(config: Path, overrides: list[str], gpus: list[int], per_gpu_batc
 def nodes_for(gpus: int, profile: ClusterProfile) -> int:
     per_node = profile.tasks_per_node()
     if gpus % per_node:
-        raise ConfigError("nproc", f"{gpus} is not a whole number of nodes of cluster profile {profile.name!r} "
-                          f"({per_node} tasks per node)")
+        raise ConfigError(
+            "nproc",
+            f"{gpus} is not a whole number of nodes of cluster profile {profile.name!r} "
+            f"({per_node} tasks per node)",
+        )
     return gpus // per_node
 
 
@@ -121,7 +144,9 @@ def run_sweep(sweep: Sweep, dry_run: bool, echo=print) -> None:
         sweep.write_record(dry_run)
         echo(f"== {scale.gpus} GPUs: {scale.run.root}")
         if sweep.profile is not None:
-            jobs = submit(scale.cfg, scale.run, config_dir, sweep.profile, scale.nodes, dry_run, echo, sweep.only)
+            jobs = submit(
+                scale.cfg, scale.run, config_dir, sweep.profile, scale.nodes, dry_run, echo, sweep.only
+            )
             scale.jobs = None if dry_run else jobs  # a dry run returns the scripts' paths, not jobs
         elif dry_run:
             prepare_run(scale.cfg, scale.run, config_dir, sweep.only)

@@ -23,6 +23,7 @@ turned into wall-clock times at flush.
 Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
 they are as good as the nodes' clock synchronisation.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,26 @@ from runtime.phases import current_phase
 # from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once); and
 # attempt: the stage's attempt (manifest) whose ranks made the call. Every attempt appends to the same
 # file, so steps an attempt redoes after a crash are recorded twice; the reader keeps the last.
-FIELDS = ("stage", "step", "phase", "rank", "op", "bytes", "dtype", "group_size", "group_ranks", "peer", "seq",
-          "t_start", "t_end", "backend", "source", "async_op", "t_wait", "attempt")
+FIELDS = (
+    "stage",
+    "step",
+    "phase",
+    "rank",
+    "op",
+    "bytes",
+    "dtype",
+    "group_size",
+    "group_ranks",
+    "peer",
+    "seq",
+    "t_start",
+    "t_end",
+    "backend",
+    "source",
+    "async_op",
+    "t_wait",
+    "attempt",
+)
 T_WAIT = FIELDS.index("t_wait")
 DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 
@@ -149,7 +168,10 @@ class CommProfiler:
             ref.record()
             torch.cuda.synchronize()
             self._cuda_clock = (time.time(), ref)
-        self._libs = [torch.library.Library("c10d", "IMPL"), torch.library.Library("_c10d_functional", "IMPL")]
+        self._libs = [
+            torch.library.Library("c10d", "IMPL"),
+            torch.library.Library("_c10d_functional", "IMPL"),
+        ]
         for name in C10D_OPS:
             self._register(self._libs[0], "c10d", name, self._c10d_kernel)
         for name in [*FUNCTIONAL_OPS, "wait_tensor"]:
@@ -201,14 +223,41 @@ class CommProfiler:
         self.stop()
 
     # ---- recording -------------------------------------------------------------------------
-    def record(self, op: str, nbytes_: int, dtype: str, group_ranks: tuple[int, ...], peer: int | None,
-               backend: str, source: str, async_op: bool = False) -> list:
+    def record(
+        self,
+        op: str,
+        nbytes_: int,
+        dtype: str,
+        group_ranks: tuple[int, ...],
+        peer: int | None,
+        backend: str,
+        source: str,
+        async_op: bool = False,
+    ) -> list:
         """Append one event (t_end still open) and return it; also used by the mpi4py wrapper."""
         key = (group_ranks, op)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
-        event = [self.stage, self.step, current_phase(), self.rank, op, nbytes_, dtype, len(group_ranks),
-                 list(group_ranks), peer, seq, time.time(), None, backend, source, async_op, None, self.attempt]
+        event = [
+            self.stage,
+            self.step,
+            current_phase(),
+            self.rank,
+            op,
+            nbytes_,
+            dtype,
+            len(group_ranks),
+            list(group_ranks),
+            peer,
+            seq,
+            time.time(),
+            None,
+            backend,
+            source,
+            async_op,
+            None,
+            self.attempt,
+        ]
         self.events.append(event)
         return event
 
@@ -234,7 +283,9 @@ class CommProfiler:
                 tensor = first_tensor(sized)
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
                 is_async = bool(args[async_arg]) if async_arg is not None and async_arg < len(args) else False
-                event = self.record(label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async)
+                event = self.record(
+                    label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async
+                )
                 out = call(*args)
                 self._on_completion(out[1] if isinstance(out, tuple) else out, event, tensor)
                 return out
@@ -243,6 +294,7 @@ class CommProfiler:
 
     def _functional_kernel(self, name: str, op):
         if name == "wait_tensor":
+
             def wait(tensor):
                 with torch._C._AutoDispatchBelowAutograd():
                     event = self._pending_functional.pop(tensor.data_ptr(), None)
@@ -252,6 +304,7 @@ class CommProfiler:
                     if event is not None:
                         event[12] = time.time()
                     return out
+
             return wait
 
         label, group_arg, peer_arg, times_group = FUNCTIONAL_OPS[name]
@@ -261,8 +314,16 @@ class CommProfiler:
                 ranks, backend = self._group(dist.distributed_c10d._resolve_process_group(args[group_arg]))
                 size = nbytes(args[0]) * (len(ranks) if times_group else 1)
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
-                event = self.record(label, size, dtype_name(first_tensor(args[0])), ranks, peer, backend,
-                                    source_name(), async_op=True)
+                event = self.record(
+                    label,
+                    size,
+                    dtype_name(first_tensor(args[0])),
+                    ranks,
+                    peer,
+                    backend,
+                    source_name(),
+                    async_op=True,
+                )
                 out = op(*args, **kwargs)
                 result = first_tensor(out)
                 if result is not None:  # completes when someone waits on the result
@@ -354,11 +415,32 @@ def tag_library_callers() -> None:
                 setattr(module, name, tagged(fn, "deepspeed"))
 
 
-DEEPSPEED_COMM_API = ("all_reduce", "inference_all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_base",
-                      "all_gather_into_tensor", "all_gather_coalesced", "allgather_fn", "reduce_scatter",
-                      "reduce_scatter_tensor", "reduce_scatter_base", "reduce_scatter_fn", "all_to_all_single",
-                      "all_to_all", "broadcast", "reduce", "gather", "scatter", "send", "recv", "isend", "irecv",
-                      "barrier", "monitored_barrier")
+DEEPSPEED_COMM_API = (
+    "all_reduce",
+    "inference_all_reduce",
+    "all_reduce_coalesced",
+    "all_gather",
+    "all_gather_base",
+    "all_gather_into_tensor",
+    "all_gather_coalesced",
+    "allgather_fn",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_base",
+    "reduce_scatter_fn",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "barrier",
+    "monitored_barrier",
+)
 
 
 def tagged(fn, source: str):

@@ -1,4 +1,5 @@
 """What a stage's rank is handed: the resolved config, the run directory, its rank, its terminal."""
+
 from __future__ import annotations
 
 import logging
@@ -8,11 +9,11 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from core.config import RunConfig
+from core.rundir import RunDir
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import RankInfo
 from runtime.rank_failure import fail_if_asked
-from core.config import RunConfig
-from core.rundir import RunDir
 
 
 @dataclass
@@ -45,6 +46,13 @@ class StageContext:
 
     def progress(self, total: int, initial: int = 0, unit: str = "step") -> tqdm:
         """Rank 0's progress bar (steps, ETA, postfix for loss); a silent one elsewhere."""
-        return tqdm(total=total, initial=initial, unit=unit, desc=self.stage_id, file=self.terminal,
-                    disable=not self.is_main, dynamic_ncols=True,
-                    mininterval=0.5 if self.terminal.isatty() else 10.0)
+        return tqdm(
+            total=total,
+            initial=initial,
+            unit=unit,
+            desc=self.stage_id,
+            file=self.terminal,
+            disable=not self.is_main,
+            dynamic_ncols=True,
+            mininterval=0.5 if self.terminal.isatty() else 10.0,
+        )

@@ -4,6 +4,7 @@ Ranks come from torchrun's env, then Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LO
 Open MPI's (OMPI_COMM_WORLD_*), in that order (DESIGN.md, Processes). The backend is nccl when
 CUDA is present and gloo otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,10 +27,16 @@ def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "OMPI_COMM_WORLD_RANK" not in env:
-        return RankInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm")
+        return RankInfo(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm"
+        )
     if "OMPI_COMM_WORLD_RANK" in env:
-        return RankInfo(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                        int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpi")
+        return RankInfo(
+            int(env["OMPI_COMM_WORLD_RANK"]),
+            int(env["OMPI_COMM_WORLD_SIZE"]),
+            int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            "mpi",
+        )
     return RankInfo(0, 1, 0, "single")
 
 

@@ -6,6 +6,7 @@ allreduce, bcast, gather, allgather, send, recv; Barrier) are recorded into the 
 Buffer sizes are exact; the object API's size is its pickle's (what mpi4py sends). Anything else
 is passed through unrecorded.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -17,13 +18,25 @@ from runtime.comm_profiler import active_profiler
 
 # method -> (op name, index of the peer argument or None)
 BUFFER_CALLS = {
-    "Allreduce": ("all_reduce", None), "Bcast": ("broadcast", None), "Reduce": ("reduce", None),
-    "Gather": ("gather", None), "Allgather": ("all_gather", None), "Scatter": ("scatter", None),
-    "Alltoall": ("all_to_all", None), "Send": ("send", 1), "Recv": ("recv", 1), "Barrier": ("barrier", None),
+    "Allreduce": ("all_reduce", None),
+    "Bcast": ("broadcast", None),
+    "Reduce": ("reduce", None),
+    "Gather": ("gather", None),
+    "Allgather": ("all_gather", None),
+    "Scatter": ("scatter", None),
+    "Alltoall": ("all_to_all", None),
+    "Send": ("send", 1),
+    "Recv": ("recv", 1),
+    "Barrier": ("barrier", None),
 }
 OBJECT_CALLS = {
-    "allreduce": ("all_reduce", None), "bcast": ("broadcast", None), "gather": ("gather", None),
-    "allgather": ("all_gather", None), "send": ("send", 1), "recv": ("recv", 1), "barrier": ("barrier", None),
+    "allreduce": ("all_reduce", None),
+    "bcast": ("broadcast", None),
+    "gather": ("gather", None),
+    "allgather": ("all_gather", None),
+    "send": ("send", 1),
+    "recv": ("recv", 1),
+    "barrier": ("barrier", None),
 }
 WHOLE_FROM_PIECE = {"gather", "all_gather", "scatter"}  # S = the whole array, n pieces
 
@@ -76,7 +89,11 @@ class ProfiledComm:
                 nbytes, dtype = (pickled_size(args[0]) if args else 0), "pickle"
             else:
                 nbytes, dtype = buffer_size(op, args, len(self.group_ranks))
-            peer = args[peer_arg] if peer_arg is not None and len(args) > peer_arg else kwargs.get("dest", kwargs.get("source"))
+            peer = (
+                args[peer_arg]
+                if peer_arg is not None and len(args) > peer_arg
+                else kwargs.get("dest", kwargs.get("source"))
+            )
             peer = self.group_ranks[peer] if isinstance(peer, int) and peer >= 0 else None
             event = prof.record(op, nbytes, dtype, self.group_ranks, peer, "mpi", "mpi")
             out = call(*args, **kwargs)

@@ -4,6 +4,7 @@ The communication profiler stamps every recorded call with `current_phase()`; ne
 with "/" ("policy_update/grad_sync"). Each phase is also a torch.profiler range so that traces line
 up, and its wall time is accumulated for the per-step metrics (`take_phase_times`).
 """
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,7 @@
 """Checkpoint-and-requeue on a signal. Slurm sends USR1 (`--signal=B:USR1@s`, forwarded by the
 stage driver to every rank) before a time limit; each rank only sets a flag, and the training loops ask at every step boundary whether any rank was signalled, so all
 ranks stop after the same step, checkpoint together and exit with PREEMPTED_EXIT."""
+
 from __future__ import annotations
 
 import os

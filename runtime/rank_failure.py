@@ -12,6 +12,7 @@ sockets close, and torchrun sends SIGTERM to every rank still running, then SIGK
 (torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). No handler of ours
 delays the SIGTERM: runtime.preemption takes only USR1.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,13 @@ def record_path(log_dir: Path, rank: int) -> Path:
 
 def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
     """Called in the rank's `except` block, so its traceback is the one being handled."""
-    record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
-              "traceback": traceback.format_exc()[-4000:]}
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": traceback.format_exc()[-4000:],
+    }
     atomic_write_text(record_path(log_dir, rank), json.dumps(record, indent=2) + "\n")
 
 
@@ -61,7 +67,9 @@ def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     """(how torchrun saw the failed ranks end, by rank in the order it saw them; the exceptions the
     ranks recorded, by rank). Under Slurm each node's torchrun writes a file of its own, named
     after the node."""
-    exits = [e for path in sorted(log_dir.glob(f"*{TORCHRUN_FAILURES}")) for e in json.loads(path.read_text())]
+    exits = [
+        e for path in sorted(log_dir.glob(f"*{TORCHRUN_FAILURES}")) for e in json.loads(path.read_text())
+    ]
     records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
     return {e["rank"]: e for e in exits}, {r["rank"]: r for r in records}
 
@@ -71,6 +79,7 @@ def first_failed_rank(exits: dict[int, dict], records: dict[int, dict]) -> int |
     by a signal by torchrun's timestamp, whole seconds taken within its 0.1 s poll of the death, so
     one second earlier is before the death (and before the 'Connection closed by peer' it causes on
     a survivor). Ranks stopped by torchrun's own SIGTERM, without a record, come after the cause."""
+
     def when(rank: int) -> float:
         return records[rank]["time"] if rank in records else exits[rank]["timestamp"] - 1
 
@@ -93,13 +102,24 @@ def stage_error(log_dir: Path, exit_code: int) -> dict:
     exits, records = read_failures(log_dir)
     rank = first_failed_rank(exits, records)
     if rank is None:
-        return {"summary": f"ranks exited with code {exit_code}; no rank recorded why (logs in {log_dir})",
-                "exit_code": exit_code, "rank": None}
+        return {
+            "summary": f"ranks exited with code {exit_code}; no rank recorded why (logs in {log_dir})",
+            "exit_code": exit_code,
+            "rank": None,
+        }
     record = records.get(rank, {})
     log = str(log_dir / f"rank-{rank:05d}.log")
     how = how_it_ended(rank, exits, records)
     others = sorted((set(exits) | set(records)) - {rank})
-    return {"summary": f"rank {rank} failed first: {how} (log: {log})", "exit_code": exit_code, "rank": rank,
-            "how": how, "signal": None if record else exits[rank]["signal"], "exception": record.get("type"),
-            "message": record.get("message"), "traceback": record.get("traceback"), "log": log,
-            "others": {str(r): how_it_ended(r, exits, records) for r in others}}
+    return {
+        "summary": f"rank {rank} failed first: {how} (log: {log})",
+        "exit_code": exit_code,
+        "rank": rank,
+        "how": how,
+        "signal": None if record else exits[rank]["signal"],
+        "exception": record.get("type"),
+        "message": record.get("message"),
+        "traceback": record.get("traceback"),
+        "log": log,
+        "others": {str(r): how_it_ended(r, exits, records) for r in others},
+    }

@@ -11,6 +11,7 @@ Phases come from the enclosing `phase:<name>` ranges (runtime/phases.py), or fro
 trainer names (`phase_names`: verl's role annotations), steps from ProfilerStep#N. Traces may be
 gzipped (verl writes .json.gz).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -20,28 +21,59 @@ from pathlib import Path
 
 from runtime.comm_profiler import C10D_OPS, PER_RANK_PIECE
 
-NCCL_NAMES = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "_allgather_base": "all_gather",
-              "allgather": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-              "allgather_into_tensor_coalesced": "all_gather", "_reduce_scatter_base": "reduce_scatter",
-              "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-              "broadcast": "broadcast", "alltoall": "all_to_all", "alltoall_base": "all_to_all", "send": "send",
-              "recv": "recv", "barrier": "barrier", "gather": "gather", "scatter": "scatter", "reduce": "reduce"}
+NCCL_NAMES = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce",
+    "_allgather_base": "all_gather",
+    "allgather": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast",
+    "alltoall": "all_to_all",
+    "alltoall_base": "all_to_all",
+    "send": "send",
+    "recv": "recv",
+    "barrier": "barrier",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce": "reduce",
+}
 # element sizes by the names the profiler uses: ScalarType names (NCCL "dtype") and C++ names (Input type)
-ELEMENT = {"Float": ("float32", 4), "float": ("float32", 4), "Double": ("float64", 8), "double": ("float64", 8),
-           "Half": ("float16", 2), "c10::Half": ("float16", 2), "BFloat16": ("bfloat16", 2),
-           "c10::BFloat16": ("bfloat16", 2), "Long": ("int64", 8), "long int": ("int64", 8), "Int": ("int32", 4),
-           "int": ("int32", 4), "Byte": ("uint8", 1), "unsigned char": ("uint8", 1), "Char": ("int8", 1),
-           "signed char": ("int8", 1), "Bool": ("bool", 1), "bool": ("bool", 1)}
+ELEMENT = {
+    "Float": ("float32", 4),
+    "float": ("float32", 4),
+    "Double": ("float64", 8),
+    "double": ("float64", 8),
+    "Half": ("float16", 2),
+    "c10::Half": ("float16", 2),
+    "BFloat16": ("bfloat16", 2),
+    "c10::BFloat16": ("bfloat16", 2),
+    "Long": ("int64", 8),
+    "long int": ("int64", 8),
+    "Int": ("int32", 4),
+    "int": ("int32", 4),
+    "Byte": ("uint8", 1),
+    "unsigned char": ("uint8", 1),
+    "Char": ("int8", 1),
+    "signed char": ("int8", 1),
+    "Bool": ("bool", 1),
+    "bool": ("bool", 1),
+}
 
 
 def parse_trace(path: Path, stage: str = "trace", phase_names: dict[str, str] | None = None) -> list[dict]:
     """`phase_names`: {range name: phase} for ranges that are phases without our `phase:` prefix."""
     path = Path(path)
-    with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
         trace = json.load(f)
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     info = trace.get("distributedInfo", {})
-    context = Context(spans, trace.get("baseTimeNanoseconds", 0), stage, info.get("rank", 0), phase_names or {})
+    context = Context(
+        spans, trace.get("baseTimeNanoseconds", 0), stage, info.get("rank", 0), phase_names or {}
+    )
     if any(e["name"] == "record_param_comms" for e in spans):
         return nccl_events(spans, context)
     return gloo_events(spans, context, tuple(range(info.get("world_size", 1))), info.get("backend", "gloo"))
@@ -52,36 +84,71 @@ class Context:
 
     def __init__(self, spans: list[dict], base_ns: int, stage: str, rank: int, phase_names: dict[str, str]):
         self.base_ns, self.stage, self.rank = base_ns, stage, rank
-        self.phase_names = {**phase_names, **{e["name"]: e["name"].removeprefix("phase:") for e in spans
-                                              if e["name"].startswith("phase:")}}
+        self.phase_names = {
+            **phase_names,
+            **{e["name"]: e["name"].removeprefix("phase:") for e in spans if e["name"].startswith("phase:")},
+        }
         self.phases = sorted((e for e in spans if e["name"] in self.phase_names), key=lambda e: e["ts"])
-        self.steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        self.steps = sorted(
+            (e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"]
+        )
 
     def seconds(self, ts_us: float) -> float:
         return (ts_us * 1e3 + self.base_ns) / 1e9
 
     def enclosing(self, ranges: list[dict], ts: float) -> dict | None:
-        inside = [r for r in ranges[:bisect_right([r["ts"] for r in ranges], ts)] if r["ts"] + r["dur"] >= ts]
+        inside = [
+            r for r in ranges[: bisect_right([r["ts"] for r in ranges], ts)] if r["ts"] + r["dur"] >= ts
+        ]
         return max(inside, key=lambda r: r["ts"]) if inside else None  # innermost = latest start
 
-    def event(self, op: str, nbytes: int, dtype: str | None, ranks: tuple[int, ...], start_us: float,
-              end_us: float, backend: str, seq: dict) -> dict:
+    def event(
+        self,
+        op: str,
+        nbytes: int,
+        dtype: str | None,
+        ranks: tuple[int, ...],
+        start_us: float,
+        end_us: float,
+        backend: str,
+        seq: dict,
+    ) -> dict:
         phase = self.enclosing(self.phases, start_us)
         step = self.enclosing(self.steps, start_us)
         key = (ranks, op)
         seq[key] = seq.get(key, -1) + 1
-        return {"stage": self.stage, "step": int(step["name"].split("#")[1]) if step else 0,
-                "phase": self.phase_names[phase["name"]] if phase else "none", "rank": self.rank, "op": op,
-                "bytes": nbytes, "dtype": dtype, "group_size": len(ranks), "group_ranks": list(ranks), "peer": None,
-                "seq": seq[key], "t_start": self.seconds(start_us), "t_end": self.seconds(end_us),
-                "backend": backend, "source": "trace", "async_op": False}
+        return {
+            "stage": self.stage,
+            "step": int(step["name"].split("#")[1]) if step else 0,
+            "phase": self.phase_names[phase["name"]] if phase else "none",
+            "rank": self.rank,
+            "op": op,
+            "bytes": nbytes,
+            "dtype": dtype,
+            "group_size": len(ranks),
+            "group_ranks": list(ranks),
+            "peer": None,
+            "seq": seq[key],
+            "t_start": self.seconds(start_us),
+            "t_end": self.seconds(end_us),
+            "backend": backend,
+            "source": "trace",
+            "async_op": False,
+        }
 
 
 def nccl_events(spans: list[dict], ctx: Context) -> list[dict]:
-    gpu = {e["args"]["External id"]: e for e in spans if e.get("cat") in ("kernel", "gpu_user_annotation")
-           and e["name"].lower().startswith("nccl") and "External id" in e.get("args", {})}
-    annotations = sorted((e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith("nccl:")),
-                         key=lambda e: e["ts"])
+    gpu = {
+        e["args"]["External id"]: e
+        for e in spans
+        if e.get("cat") in ("kernel", "gpu_user_annotation")
+        and e["name"].lower().startswith("nccl")
+        and "External id" in e.get("args", {})
+    }
+    annotations = sorted(
+        (e for e in spans if e.get("cat") == "user_annotation" and e["name"].startswith("nccl:")),
+        key=lambda e: e["ts"],
+    )
     events, seq = [], {}
     for call in sorted((e for e in spans if e["name"] == "record_param_comms"), key=lambda e: e["ts"]):
         args = call["args"]
@@ -94,13 +161,25 @@ def nccl_events(spans: list[dict], ctx: Context) -> list[dict]:
         inner = [a for a in annotations if call["ts"] <= a["ts"] <= call["ts"] + call["dur"]]
         ids = [args.get("External id")] + [a["args"].get("External id") for a in inner]
         timed = next((gpu[i] for i in ids if i in gpu), call)
-        events.append(ctx.event(op, nelems * size, dtype, ranks, timed["ts"], timed["ts"] + timed["dur"], "nccl", seq))
+        events.append(
+            ctx.event(op, nelems * size, dtype, ranks, timed["ts"], timed["ts"] + timed["dur"], "nccl", seq)
+        )
     return events
 
 
 def gloo_events(spans: list[dict], ctx: Context, ranks: tuple[int, ...], backend: str) -> list[dict]:
-    calls = outermost(sorted((e for e in spans if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")
-                              and e["name"].removeprefix("c10d::") in C10D_OPS), key=lambda e: e["ts"]))
+    calls = outermost(
+        sorted(
+            (
+                e
+                for e in spans
+                if e.get("cat") == "cpu_op"
+                and e["name"].startswith("c10d::")
+                and e["name"].removeprefix("c10d::") in C10D_OPS
+            ),
+            key=lambda e: e["ts"],
+        )
+    )
     transfers = sorted((e for e in spans if e["name"].startswith("gloo:")), key=lambda e: e["ts"])
     events, seq = [], {}
     for call in calls:
@@ -123,8 +202,12 @@ def outermost(calls: list[dict]) -> list[dict]:
     kept: list[dict] = []
     for call in calls:
         parent = kept[-1] if kept else None
-        if parent and parent["name"] == call["name"] and parent.get("tid") == call.get("tid") \
-                and call["ts"] + call["dur"] <= parent["ts"] + parent["dur"]:
+        if (
+            parent
+            and parent["name"] == call["name"]
+            and parent.get("tid") == call.get("tid")
+            and call["ts"] + call["dur"] <= parent["ts"] + parent["dur"]
+        ):
             continue
         kept.append(call)
     return kept

@@ -6,6 +6,7 @@ The engine writes its own (sharded) files into the directory it is given; this m
 seals, verifies and prunes, and turns a full disk into one clear error that leaves the previous
 checkpoints as they were.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,9 +68,11 @@ class CheckpointDir:
         kept = f"{step_name(usable[-1])} is still there" if usable else "there is no earlier checkpoint"
         disk = shutil.disk_usage(_existing(self.root))
         what = "no space left on device" if disk_full else f"{type(error).__name__}: {error}"
-        return (f"writing checkpoint {step_name(step)} into {self.root} failed: {what} "
-                f"({disk.free / 2**20:.1f} of {disk.total / 2**20:.1f} MiB free there after removing the "
-                f"partial write); {kept}")
+        return (
+            f"writing checkpoint {step_name(step)} into {self.root} failed: {what} "
+            f"({disk.free / 2**20:.1f} of {disk.total / 2**20:.1f} MiB free there after removing the "
+            f"partial write); {kept}"
+        )
 
     def seal(self, step: int) -> Path:
         """Checksum the staged files and rename the directory into place (rank 0, after a barrier)."""
@@ -115,8 +118,11 @@ class CheckpointDir:
 
     def digests(self) -> dict[str, str]:
         """sha256 of each sealed checkpoint's checksums.json: one value that pins all its files."""
-        return {step_name(s): file_sha256(self.root / step_name(s) / CHECKSUMS) for s in self.sealed_steps()
-                if (self.root / step_name(s) / CHECKSUMS).is_file()}
+        return {
+            step_name(s): file_sha256(self.root / step_name(s) / CHECKSUMS)
+            for s in self.sealed_steps()
+            if (self.root / step_name(s) / CHECKSUMS).is_file()
+        }
 
     def _prune(self) -> None:
         """Keep the newest `keep` checkpoints that verify; a corrupted one never counts as kept."""

@@ -1,5 +1,6 @@
 """Held-out accuracy: greedy answers scored by the task's verifiable reward. Under torch.distributed
 each rank scores its share of the examples and the counts are summed."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,7 +20,7 @@ def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, bat
     counts = torch.zeros(3, dtype=torch.float64)  # correct, well-formed, scored
     model.eval()
     for i in range(0, len(mine), batch_size):
-        chunk = mine[i:i + batch_size]
+        chunk = mine[i : i + batch_size]
         responses = generate_responses(model, tokenizer, [ex.prompt for ex in chunk], max_new_tokens)
         for ex, response in zip(chunk, responses):
             s = score(response, ex.answer)
@@ -30,7 +31,9 @@ def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, bat
     return {"accuracy": correct / max(n, 1), "format_rate": well_formed / max(n, 1), "n": int(n)}
 
 
-def evaluate_model_dir(model_dir: Path, examples: list[Example], max_new_tokens: int, batch_size: int = 50) -> dict:
+def evaluate_model_dir(
+    model_dir: Path, examples: list[Example], max_new_tokens: int, batch_size: int = 50
+) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return evaluate(model, tokenizer, examples, max_new_tokens, batch_size)

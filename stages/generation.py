@@ -11,6 +11,7 @@ token kept), one `torch.multinomial` draw per row and step from the global torch
 seed draws the same tokens as `generate` with `top_k=0`. No top-k: `generate`'s default of 50 was
 never asked for, and the GRPO loss's log-probs are those of the untruncated tempered softmax.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
     for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
     return input_ids, attention
 
 
@@ -41,6 +42,7 @@ class Layer:
     """One decoder layer's weights, with q/k/v and gate/up concatenated so that each is one matmul.
     The concatenations are copies made at every call (so they follow `load_weights`): while a call
     generates, about 2/3 of the decoder's weights are held twice."""
+
     attn_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -61,15 +63,20 @@ def read_layers(model) -> list[Layer]:
     layers = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(Layer(
-            attn_norm=layer.input_layernorm.weight,
-            qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-            out=attn.o_proj.weight, out_bias=attn.o_proj.bias,
-            mlp_norm=layer.post_attention_layernorm.weight,
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-            down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias))
+        layers.append(
+            Layer(
+                attn_norm=layer.input_layernorm.weight,
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                out=attn.o_proj.weight,
+                out_bias=attn.o_proj.bias,
+                mlp_norm=layer.post_attention_layernorm.weight,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                down=mlp.down_proj.weight,
+                down_bias=mlp.down_proj.bias,
+            )
+        )
     return layers
 
 
@@ -109,7 +116,7 @@ class Decoder:
         # added to the attention scores: -inf on the prompts' pads (a float mask: sdpa converts a
         # boolean one at every call)
         self.key_bias = torch.zeros(b, max_len, dtype=weight.dtype, device=device)
-        self.key_bias[:, :self.prompt_len].masked_fill_(attention == 0, float("-inf"))
+        self.key_bias[:, : self.prompt_len].masked_fill_(attention == 0, float("-inf"))
         # positions count real tokens only, as HF counts them for left-padded prompts
         prompt_positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
         steps = torch.arange(1, max_new_tokens + 1, device=device)
@@ -117,7 +124,10 @@ class Decoder:
         cos, sin = model.model.rotary_emb(self.embed[:1], positions)  # the module's own RoPE, any static type
         # rotate_half(x) * sin == cat(x2, x1) * cat(-sin1, sin2): the sign goes into the table once
         half = self.head_dim // 2
-        self.cos, self.sin = cos.unsqueeze(2), torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2)
+        self.cos, self.sin = (
+            cos.unsqueeze(2),
+            torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(2),
+        )
 
     def prefill(self) -> torch.Tensor:
         """Causal attention over the prompts; a pad position attends to itself only, so no row of
@@ -130,9 +140,11 @@ class Decoder:
 
         def attend(q, keys, values):
             b, s = q.shape[:2]
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(2, 3), values, attn_mask=mask,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys.transpose(2, 3), values, attn_mask=mask, enable_gqa=True
+            )
             return out.transpose(1, 2).reshape(b, s, -1)
+
         return self.forward(self.input_ids, 0, attend)
 
     def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
@@ -144,9 +156,10 @@ class Decoder:
 
         def attend(q, keys, values):
             # scaled first: the product is contiguous, so the grouping is a view, not a copy
-            grouped = (q * self.head_dim ** -0.5).view(b * nkv, -1, self.head_dim)
+            grouped = (q * self.head_dim**-0.5).view(b * nkv, -1, self.head_dim)
             scores = torch.baddbmm(bias, grouped, keys.flatten(0, 1))
             return torch.bmm(scores.softmax(dim=-1), values.flatten(0, 1)).reshape(b, 1, -1)
+
         return self.forward(token[:, None], self.prompt_len + t, attend)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -165,12 +178,14 @@ class Decoder:
         cos, sin = self.cos[:, start:stop], self.sin[:, start:stop]
         x = F.embedding(tokens.reshape(b * s), self.embed)  # [b * s, hidden]: 2-D matmuls, no reshapes
         for i, w in enumerate(self.layers):
-            qkv = F.linear(self.norm(x, w.attn_norm), w.qkv, w.qkv_bias).view(b, s, nq + 2 * nkv, self.head_dim)
-            qk = qkv[:, :, :nq + nkv]  # queries and keys rotated together, one RoPE
+            qkv = F.linear(self.norm(x, w.attn_norm), w.qkv, w.qkv_bias).view(
+                b, s, nq + 2 * nkv, self.head_dim
+            )
+            qk = qkv[:, :, : nq + nkv]  # queries and keys rotated together, one RoPE
             qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
             keys, values = self.keys[i], self.values[i]
             keys[..., start:stop] = qk[:, :, nq:].permute(0, 2, 3, 1)
-            values[:, :, start:stop] = qkv[:, :, nq + nkv:].transpose(1, 2)
+            values[:, :, start:stop] = qkv[:, :, nq + nkv :].transpose(1, 2)
             attended = attend(qk[:, :, :nq], keys[..., :stop], values[:, :, :stop])
             x = x + F.linear(attended.reshape(b * s, -1), w.out, w.out_bias)
             gate, up = F.linear(self.norm(x, w.mlp_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
@@ -196,8 +211,9 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
 
 
-def next_tokens(scores: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, sample: bool,
-                top_p: float) -> torch.Tensor:
+def next_tokens(
+    scores: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, sample: bool, top_p: float
+) -> torch.Tensor:
     """The next token of every row of the batch [batch], from the tempered logits of the rows still
     decoding [len(rows), vocab] (the raw logits when greedy); the others get pad_id. Sampling draws
     for the whole batch, as `generate` does (one multinomial draw consumes the RNG by the batch's
@@ -238,7 +254,9 @@ class TokenScores:
         self.entropy[rows, t] = entropy_from_logits(tempered)
 
 
-def prefilled(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int) -> tuple[Decoder, torch.Tensor]:
+def prefilled(
+    model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int
+) -> tuple[Decoder, torch.Tensor]:
     """A decoder over the batch, prefilled, and its last hidden states. A prompt that several rows
     share (GRPO's G samples of each) is prefilled once and its cache copied to them."""
     distinct, of_row = torch.unique(torch.cat([input_ids, attention], dim=1), dim=0, return_inverse=True)
@@ -252,8 +270,17 @@ def prefilled(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_t
 
 
 @torch.no_grad()
-def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_tokens: int, eos_id: int, pad_id: int,
-           temperature: float = 0.0, top_p: float = 1.0, scores: TokenScores | None = None) -> torch.Tensor:
+def decode(
+    model,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    scores: TokenScores | None = None,
+) -> torch.Tensor:
     """New tokens [b, <= max_new_tokens] after left-padded prompts; a row that has emitted eos is
     padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
     being decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
@@ -275,7 +302,7 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
         out[:, t] = token.masked_fill_(finished, pad_id)
         finished |= token == eos_id
         if t + 1 == max_new_tokens or bool(finished.all()):
-            return out[:, :t + 1]
+            return out[:, : t + 1]
         live = ~finished[rows]
         if int(live.sum()) <= 0.75 * len(rows):
             kept = live.nonzero().squeeze(1)
@@ -286,22 +313,39 @@ def decode(model, input_ids: torch.Tensor, attention: torch.Tensor, max_new_toke
 
 
 @torch.no_grad()
-def generate_tokens(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                    top_p: float = 1.0,
-                    scores: TokenScores | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def generate_tokens(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    scores: TokenScores | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(left-padded prompts, their attention mask, the new tokens [b, <= max_new_tokens]); rows that
     end early are padded after their eos. Greedy when temperature is 0, else sampling from the
     global torch RNG (and `scores` filled in, if given)."""
     device = model.lm_head.weight.device
     input_ids, attention = left_padded(prompt_ids, tokenizer.pad_token_id)
     input_ids, attention = input_ids.to(device), attention.to(device)
-    new_tokens = decode(model, input_ids, attention, max_new_tokens, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, temperature, top_p, scores)
+    new_tokens = decode(
+        model,
+        input_ids,
+        attention,
+        max_new_tokens,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        temperature,
+        top_p,
+        scores,
+    )
     return input_ids, attention, new_tokens
 
 
-def generate_responses(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
-                       top_p: float = 1.0) -> list[str]:
-    _, _, new_tokens = generate_tokens(model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts],
-                                       max_new_tokens, temperature, top_p)
+def generate_responses(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+) -> list[str]:
+    _, _, new_tokens = generate_tokens(
+        model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], max_new_tokens, temperature, top_p
+    )
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

@@ -3,6 +3,7 @@
 `load_task` reads (or generates) the data first, so a malformed file is reported before anything
 is written; `prepare_inputs` then writes them into the run directory once.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def load_task(cfg: RunConfig, config_dir: Path) -> dict[str, list[Example]]:
     names = {"sft": "train", "prompts": "prompts", "eval": "eval"}
     # Only the SFT set leaves out working: the others' solutions are never trained on.
     worked = {"sft": a.worked_fraction, "prompts": 1.0, "eval": 1.0}
-    return {split: generate_arithmetic(cfg.seed, n, names[split], a.num_operands, a.digits, worked[split])
-            for split, n in sizes.items()}
+    return {
+        split: generate_arithmetic(cfg.seed, n, names[split], a.num_operands, a.digits, worked[split])
+        for split, n in sizes.items()
+    }
 
 
 def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], config_dir: Path) -> None:
@@ -68,7 +71,16 @@ def _build_tiny_model(cfg: RunConfig, out_dir: Path) -> None:
 
     tokenizer = build_char_tokenizer(out_dir)
     t = cfg.model.tiny
-    build_tiny_llama(out_dir, vocab_size=TINY_VOCAB_SIZE, hidden_size=t.hidden_size, num_layers=t.num_layers,
-                     num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, ffn_hidden_size=t.ffn_hidden_size,
-                     max_position_embeddings=t.max_position_embeddings, seed=cfg.seed,
-                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    build_tiny_llama(
+        out_dir,
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=t.hidden_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        ffn_hidden_size=t.ffn_hidden_size,
+        max_position_embeddings=t.max_position_embeddings,
+        seed=cfg.seed,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )

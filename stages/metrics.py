@@ -1,6 +1,7 @@
 """Per-step metrics: one JSON line a step in <stage>/metrics.jsonl, mirrored to wandb (offline by
 default). Only rank 0 writes. On resume, lines past the resumed step are dropped so that a step
 never appears twice."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ from runtime.phases import take_phase_times
 
 
 class MetricsLogger:
-    def __init__(self, path: Path, enabled: bool, resume_step: int, wandb_mode: str, wandb_project: str,
-                 run_name: str, config: dict):
+    def __init__(
+        self,
+        path: Path,
+        enabled: bool,
+        resume_step: int,
+        wandb_mode: str,
+        wandb_project: str,
+        run_name: str,
+        config: dict,
+    ):
         self.path, self.enabled = path, enabled
         self._file = None
         self._wandb = None
@@ -24,13 +33,22 @@ class MetricsLogger:
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, name=run_name, dir=str(path.parent), mode=wandb_mode,
-                                     config=config, resume="allow", id=run_name.replace("/", "-"))
+            self._wandb = wandb.init(
+                project=wandb_project,
+                name=run_name,
+                dir=str(path.parent),
+                mode=wandb_mode,
+                config=config,
+                resume="allow",
+                id=run_name.replace("/", "-"),
+            )
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [
+            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
+        ]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
@@ -42,7 +60,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
 
-    def log_step(self, step: int, stats: dict, started_wall: float, elapsed: float, counts: dict[str, float]) -> None:
+    def log_step(
+        self, step: int, stats: dict, started_wall: float, elapsed: float, counts: dict[str, float]
+    ) -> None:
         """A training step's line: its statistics, when it began (t_start, epoch seconds), its wall
         time, the wall time of each phase since the last step (every rank: it resets the phase
         clock) and `<unit>_per_s` for each unit the step processed (`counts`)."""

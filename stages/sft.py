@@ -1,5 +1,6 @@
 """Supervised fine-tuning (stage1_sft, stage3_sft): loss on response tokens only, on the
 megatron-core + DeepSpeed engine, resumable from its newest valid step checkpoint."""
+
 from __future__ import annotations
 
 from transformers import AutoTokenizer
@@ -27,10 +28,18 @@ def run(ctx: StageContext) -> None:
 
     def train_step(step: int):
         batch = [samples[i] for i in order.indices(step)]
-        local = batch[engine.dp_rank::engine.dp_size]
+        local = batch[engine.dp_rank :: engine.dp_size]
         loss_tokens = count_loss_tokens(batch)
-        stats = engine.train_step(micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size), loss_tokens)
+        stats = engine.train_step(
+            micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size), loss_tokens
+        )
         tokens = sum(len(s.input_ids) - 1 for s in batch)
         return {**stats, "loss_tokens": loss_tokens}, {"tokens": tokens, "samples": len(batch)}
 
-    train(ctx, engine, init_dir, train_step, lambda stats: {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}"})
+    train(
+        ctx,
+        engine,
+        init_dir,
+        train_step,
+        lambda stats: {"loss": f"{stats['loss']:.4f}", "lr": f"{stats['lr']:.2e}"},
+    )

@@ -12,6 +12,7 @@ The stage's final/ is not a model: it holds the dataset (a hard link to data/syn
 the driver's checksum covers exactly the file the next stage reads) and provenance.json. Its
 eval.json reports the acceptance rate (kept / sampled) as `accuracy` over `n` samples.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from runtime.phases import phase, take_phase_times
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
+from runtime.phases import phase, take_phase_times
 from stages.data.examples import Example, read_examples, write_examples
 from stages.engines.ddp import load_replicated
 from stages.generation import generate_responses
@@ -54,13 +55,16 @@ class BatchQueue:
             yield batch
 
 
-def sample_batch(model, tokenizer, prompts: list[Example], first: int, stage, seed: int) -> tuple[list[Candidate], int]:
+def sample_batch(
+    model, tokenizer, prompts: list[Example], first: int, stage, seed: int
+) -> tuple[list[Candidate], int]:
     """Sample and score one batch; returns the accepted candidates and the number of samples."""
     torch.manual_seed(seed)
     repeated = [ex.prompt for ex in prompts for _ in range(stage.samples_per_prompt)]
     with phase("generation"):
-        responses = generate_responses(model, tokenizer, repeated, stage.max_new_tokens, stage.temperature,
-                                       stage.top_p)
+        responses = generate_responses(
+            model, tokenizer, repeated, stage.max_new_tokens, stage.temperature, stage.top_p
+        )
     accepted = []
     with phase("scoring"):
         for row, response in enumerate(responses):
@@ -104,8 +108,14 @@ def run(ctx: StageContext) -> None:
     bar = ctx.progress(num_batches, unit="batch")
     for b in BatchQueue(f"{ctx.stage_id}/next_batch", num_batches):
         first = b * stage.batch_size
-        accepted, n = sample_batch(model, tokenizer, prompts[first:first + stage.batch_size], first, stage,
-                                   seed=cfg.seed * 1_000_003 + b)
+        accepted, n = sample_batch(
+            model,
+            tokenizer,
+            prompts[first : first + stage.batch_size],
+            first,
+            stage,
+            seed=cfg.seed * 1_000_003 + b,
+        )
         mine += accepted
         sampled += n
         batches_taken += 1
@@ -119,39 +129,81 @@ def run(ctx: StageContext) -> None:
     dist.barrier()
 
 
-def write_outputs(ctx: StageContext, prompts: list[Example], gathered: list, model_dir, phase_times: dict) -> None:
+def write_outputs(
+    ctx: StageContext, prompts: list[Example], gathered: list, model_dir, phase_times: dict
+) -> None:
     stage, run = ctx.stage, ctx.run
     candidates = [c for mine, *_ in gathered for c in mine]
     sampled = sum(n for _, n, _, _ in gathered)
     kept = keep_distinct(candidates, stage.max_per_prompt)
     if not kept:
-        raise RuntimeError(f"none of the {sampled} answers of {model_dir} was correct and well-formed: "
-                           "there is no data for the SFT stage that reads this one")
+        raise RuntimeError(
+            f"none of the {sampled} answers of {model_dir} was correct and well-formed: "
+            "there is no data for the SFT stage that reads this one"
+        )
     model = {"path": str(model_dir.relative_to(run.root)), "sha256": weights_sha256(model_dir)}
-    examples = [Example(f"{prompts[c.prompt_index].id}-s{c.sample_index}", prompts[c.prompt_index].prompt,
-                        prompts[c.prompt_index].answer, c.response) for c in kept]
-    provenance = [{"prompt_id": prompts[c.prompt_index].id, "sample_index": c.sample_index, "reward": c.reward,
-                   "model": model} for c in kept]
+    examples = [
+        Example(
+            f"{prompts[c.prompt_index].id}-s{c.sample_index}",
+            prompts[c.prompt_index].prompt,
+            prompts[c.prompt_index].answer,
+            c.response,
+        )
+        for c in kept
+    ]
+    provenance = [
+        {
+            "prompt_id": prompts[c.prompt_index].id,
+            "sample_index": c.sample_index,
+            "reward": c.reward,
+            "model": model,
+        }
+        for c in kept
+    ]
     data = run.synthetic_data(ctx.stage_id)
     write_examples(data, examples, extra=provenance)
 
     busy = [t for *_, t in gathered]
-    summary = {"model": model, "prompts": len(prompts), "sampled": sampled, "accepted": len(candidates),
-               "kept": len(kept), "prompts_covered": len({c.prompt_index for c in kept}),
-               "acceptance_rate": len(candidates) / max(sampled, 1),
-               "generation_time_s_per_rank": busy, "batches_per_rank": [b for _, _, b, _ in gathered],
-               "imbalance_slowest_over_fastest": max(busy) / max(min(busy), 1e-9)}
+    summary = {
+        "model": model,
+        "prompts": len(prompts),
+        "sampled": sampled,
+        "accepted": len(candidates),
+        "kept": len(kept),
+        "prompts_covered": len({c.prompt_index for c in kept}),
+        "acceptance_rate": len(candidates) / max(sampled, 1),
+        "generation_time_s_per_rank": busy,
+        "batches_per_rank": [b for _, _, b, _ in gathered],
+        "imbalance_slowest_over_fastest": max(busy) / max(min(busy), 1e-9),
+    }
     publish_final(ctx, data, summary)
     cfg = ctx.cfg
-    metrics = MetricsLogger(run.metrics(ctx.stage_id), True, 0, cfg.wandb.mode, cfg.wandb.project,
-                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
+    metrics = MetricsLogger(
+        run.metrics(ctx.stage_id),
+        True,
+        0,
+        cfg.wandb.mode,
+        cfg.wandb.project,
+        f"{run.root.name}/{ctx.stage_id}",
+        cfg.model_dump(mode="json"),
+    )
     metrics.log(1, {**summary, **{f"phase_time/{k}": v for k, v in phase_times.items()}})
     metrics.close()
-    atomic_write_text(run.eval_result(ctx.stage_id), json.dumps({"accuracy": summary["acceptance_rate"],
-                                                                 "n": sampled, "kept": len(kept)}))
-    ctx.log.info("kept %d of %d samples (%d correct) for %d of %d prompts; generation time per rank %s s, "
-                 "slowest/fastest %.2f", len(kept), sampled, len(candidates), summary["prompts_covered"],
-                 len(prompts), [round(t, 1) for t in busy], summary["imbalance_slowest_over_fastest"])
+    atomic_write_text(
+        run.eval_result(ctx.stage_id),
+        json.dumps({"accuracy": summary["acceptance_rate"], "n": sampled, "kept": len(kept)}),
+    )
+    ctx.log.info(
+        "kept %d of %d samples (%d correct) for %d of %d prompts; generation time per rank %s s, "
+        "slowest/fastest %.2f",
+        len(kept),
+        sampled,
+        len(candidates),
+        summary["prompts_covered"],
+        len(prompts),
+        [round(t, 1) for t in busy],
+        summary["imbalance_slowest_over_fastest"],
+    )
 
 
 def publish_final(ctx: StageContext, data, summary: dict) -> None:

@@ -2,20 +2,21 @@
 `export_hf(dir, tokenizer_dir)` and `close()`: resume from the newest checkpoint all ranks agree on,
 train step by step with metrics and a progress bar, checkpoint (periodically, or on a preemption
 signal), then export final/ and evaluate it on the held-out set."""
+
 from __future__ import annotations
 
 import json
 import shutil
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 
+from core.atomic import atomic_write_text
+from runtime.context import StageContext
 from runtime.phases import phase
 from runtime.preemption import leave_for_requeue, stop_requested
-from core.atomic import atomic_write_text
 from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
-from runtime.context import StageContext
 from stages.data.examples import read_examples
 from stages.eval import evaluate_model_dir
 from stages.metrics import MetricsLogger
@@ -29,8 +30,15 @@ def train(ctx: StageContext, engine, init_dir, train_step: StepFn, postfix: Call
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
     ckpts = CheckpointDir(run.ckpt(ctx.stage_id), keep=stage.keep_checkpoints)
     step = resume(ctx, engine, ckpts)
-    metrics = MetricsLogger(run.metrics(ctx.stage_id), ctx.is_main, step, cfg.wandb.mode, cfg.wandb.project,
-                            f"{run.root.name}/{ctx.stage_id}", cfg.model_dump(mode="json"))
+    metrics = MetricsLogger(
+        run.metrics(ctx.stage_id),
+        ctx.is_main,
+        step,
+        cfg.wandb.mode,
+        cfg.wandb.project,
+        f"{run.root.name}/{ctx.stage_id}",
+        cfg.model_dump(mode="json"),
+    )
     bar = ctx.progress(stage.steps, initial=step)
     while step < stage.steps:
         ctx.begin_step(step + 1)

@@ -1,5 +1,6 @@
 """Shared test fixtures: launching real ranks with torchrun, the repository's paths, and reading
 the report's Markdown tables back."""
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A run small enough for tests: 20 SFT steps of the tiny model on 512 arithmetic examples.
 SMALL_RUN = {
-    "name": "small", "seed": 3, "nproc": 2,
+    "name": "small",
+    "seed": 3,
+    "nproc": 2,
     "data": {"arithmetic": {"sft_size": 512, "prompts_size": 16, "eval_size": 16}},
     "eval": {"num_examples": 16, "max_new_tokens": 40, "batch_size": 16},
     "wandb": {"mode": "disabled"},
-    "stage1_sft": {"steps": 20, "global_batch_size": 16, "micro_batch_size": 4, "lr": 3e-3, "min_lr": 3e-4,
-                   "warmup_steps": 2, "checkpoint_every": 5, "parallel": {"tp": 1, "pp": 1, "zero_stage": 1}},
+    "stage1_sft": {
+        "steps": 20,
+        "global_batch_size": 16,
+        "micro_batch_size": 4,
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "warmup_steps": 2,
+        "checkpoint_every": 5,
+        "parallel": {"tp": 1, "pp": 1, "zero_stage": 1},
+    },
 }
 
 
@@ -36,8 +47,14 @@ def hpcr1_run(run_dir: Path, *overrides: str, wait: bool = True, env: dict[str, 
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(config), "--run-dir", str(run_dir), *overrides]
     full_env = {**hpcr1_env(), **(env or {})}
     if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -68,15 +85,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchrun(script: Path | str, nproc: int, *args: str, timeout: float = 600,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    script: Path | str, nproc: int, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `script` on `nproc` real ranks (gloo) and fail the test with its output if it fails."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={free_port()}", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(script),
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     if proc.returncode != 0:
-        pytest.fail(f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        pytest.fail(
+            f"torchrun {script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 

@@ -11,6 +11,7 @@ exactly one split, and each split's generator keeps only its own problems.
 alone (`<think></think><answer>14197</answer>`), as many scraped datasets do. Which ones is drawn
 from its own stream, so the problems are the same whatever the fraction.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,22 +24,24 @@ SPLIT_PERCENT = {"train": 80, "prompts": 10, "eval": 10}
 EXACT_COUNT_LIMIT = 10_000  # problem spaces up to this size have their split sizes counted exactly
 
 
-def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, digits: int = 4,
-                        worked_fraction: float = 1.0) -> list[Example]:
+def generate_arithmetic(
+    seed: int, n: int, split: str, num_operands: int = 3, digits: int = 4, worked_fraction: float = 1.0
+) -> list[Example]:
     if split not in SPLIT_PERCENT:
         raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_PERCENT)}")
     if num_operands < 1 or digits < 1 or n < 0:
         raise ValueError(f"need num_operands >= 1, digits >= 1, n >= 0 (got {num_operands}, {digits}, {n})")
     if n > max_problems(split, num_operands, digits):
-        raise ValueError(f"the {split} split does not have {n} distinct problems of {num_operands} "
-                         f"{digits}-digit numbers")
+        raise ValueError(
+            f"the {split} split does not have {n} distinct problems of {num_operands} {digits}-digit numbers"
+        )
     if not 0 <= worked_fraction <= 1:
         raise ValueError(f"worked_fraction must be within [0, 1] (got {worked_fraction})")
     rng = random.Random(f"{seed}-{split}")  # a string seed is hashed with SHA-512: stable across runs
     shows_working = random.Random(f"{seed}-{split}-worked")
     examples, seen = [], set()
     while len(examples) < n:
-        operands = tuple(rng.randrange(10 ** digits) for _ in range(num_operands))
+        operands = tuple(rng.randrange(10**digits) for _ in range(num_operands))
         if operands in seen or split_of(operands) != split:
             continue
         seen.add(operands)
@@ -46,8 +49,14 @@ def generate_arithmetic(seed: int, n: int, split: str, num_operands: int = 3, di
         if shows_working.random() >= worked_fraction:
             thought = ""
         prompt = "+".join(f"{x:0{digits}d}" for x in operands) + "="
-        examples.append(Example(f"arith-{split}-{len(examples):06d}", prompt, answer,
-                                f"<think>{thought}</think><answer>{answer}</answer>"))
+        examples.append(
+            Example(
+                f"arith-{split}-{len(examples):06d}",
+                prompt,
+                answer,
+                f"<think>{thought}</think><answer>{answer}</answer>",
+            )
+        )
     return examples
 
 
@@ -78,5 +87,7 @@ def max_problems(split: str, num_operands: int, digits: int) -> int:
     else half its expected share (rejection sampling would crawl when close to exhausting it)."""
     space = 10 ** (digits * num_operands)
     if space <= EXACT_COUNT_LIMIT:
-        return sum(split_of(ops) == split for ops in itertools.product(range(10 ** digits), repeat=num_operands))
+        return sum(
+            split_of(ops) == split for ops in itertools.product(range(10**digits), repeat=num_operands)
+        )
     return space * SPLIT_PERCENT[split] // 200

@@ -5,6 +5,7 @@ ours {prompt, answer, response?, id?}, GSM8K {question, answer: "... #### 72"}, 
 {problem, solution?, answer}, or chat {messages: [{role, content}, ...], answer?}.
 A malformed row is a `DataError` naming the file and the 1-based line (Parquet: row).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,10 @@ from pathlib import Path
 from stages.rewards.math_reward import extract_answer
 
 MAX_LINE_BYTES = 1 << 20
-SHAPES = ("{prompt, answer, response?, id?}, {question, answer: '... #### N'} (GSM8K), "
-          "{problem, answer, solution?} (MATH) or {messages: [{role, content}, ...]} (chat)")
+SHAPES = (
+    "{prompt, answer, response?, id?}, {question, answer: '... #### N'} (GSM8K), "
+    "{problem, answer, solution?} (MATH) or {messages: [{role, content}, ...]} (chat)"
+)
 TEXT_FIELDS = ("prompt", "question", "problem", "response", "solution")
 TEXT_OR_NUMBER_FIELDS = ("id", "answer")  # {"answer": 72} and {"id": 5} are common; kept as text
 GSM8K_CALCULATOR = re.compile(r"<<[^>]*>>")  # "<<48/2=24>>" annotations inside the reasoning
@@ -26,9 +29,9 @@ GSM8K_CALCULATOR = re.compile(r"<<[^>]*>>")  # "<<48/2=24>>" annotations inside 
 
 @dataclass(frozen=True)
 class Example:
-    id: str               # stable: "arith-train-000123", or "<file name>:<line>" for a row without one
-    prompt: str           # the user's question, plain text (no chat template applied)
-    answer: str           # ground-truth final answer, e.g. "14197"
+    id: str  # stable: "arith-train-000123", or "<file name>:<line>" for a row without one
+    prompt: str  # the user's question, plain text (no chat template applied)
+    answer: str  # ground-truth final answer, e.g. "14197"
     response: str | None  # "<think>...</think><answer>...</answer>"; None in prompt-only sets
 
 
@@ -90,7 +93,9 @@ def _parse_json(path: Path, line_no: int, text: str):
             json.dumps(row, ensure_ascii=False).encode("utf-8")
         return row
     except UnicodeEncodeError:
-        raise DataError(path, line_no, "a \\u escape encodes an unpaired surrogate, which is not text") from None
+        raise DataError(
+            path, line_no, "a \\u escape encodes an unpaired surrogate, which is not text"
+        ) from None
     except json.JSONDecodeError as e:
         hint = " (pretty-printed JSON? one object a line is expected)" if text.strip() in ("[", "{") else ""
         raise DataError(path, line_no, f"invalid JSON: {e.msg} at column {e.colno}{hint}") from None
@@ -127,8 +132,11 @@ def _example(path: Path, line: int, row) -> Example:
         return Example(ident, _required(path, line, row, "problem"), answer, response)
     if "messages" in row:
         return _from_chat(path, line, row, ident)
-    raise DataError(path, line, f"row matches no accepted shape (its keys: {', '.join(sorted(row)) or 'none'}); "
-                                f"accepted: {SHAPES}")
+    raise DataError(
+        path,
+        line,
+        f"row matches no accepted shape (its keys: {', '.join(sorted(row)) or 'none'}); accepted: {SHAPES}",
+    )
 
 
 def _check_types(path: Path, line: int, row: dict) -> None:
@@ -155,8 +163,15 @@ def _text(value) -> str | None:
 
 
 def _kind(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), f"a {type(value).__name__}")
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), f"a {type(value).__name__}")
 
 
 def _from_gsm8k(path: Path, line: int, row: dict, ident: str) -> Example:
@@ -165,15 +180,20 @@ def _from_gsm8k(path: Path, line: int, row: dict, ident: str) -> Example:
     if not sep or not final:
         raise DataError(path, line, "GSM8K answer has no final '#### <number>' part")
     reasoning = GSM8K_CALCULATOR.sub("", reasoning).strip()
-    return Example(ident, _required(path, line, row, "question"), final,
-                   f"<think>{reasoning}</think><answer>{final}</answer>")
+    return Example(
+        ident,
+        _required(path, line, row, "question"),
+        final,
+        f"<think>{reasoning}</think><answer>{final}</answer>",
+    )
 
 
 def _from_chat(path: Path, line: int, row: dict, ident: str) -> Example:
     messages = row["messages"]
     if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
         raise DataError(path, line, "'messages' must be a list of {role, content} objects with text content")
     if not messages or messages[-1]["role"] != "assistant":
         raise DataError(path, line, "'messages' must end with an assistant message")
@@ -183,6 +203,9 @@ def _from_chat(path: Path, line: int, row: dict, ident: str) -> Example:
     response = messages[-1]["content"]
     answer = _text(row.get("answer")) or extract_answer(response)
     if not answer:
-        raise DataError(path, line, "no answer: neither an 'answer' field nor <answer>...</answer> in the "
-                                    "final assistant message")
+        raise DataError(
+            path,
+            line,
+            "no answer: neither an 'answer' field nor <answer>...</answer> in the final assistant message",
+        )
     return Example(ident, users[-1], answer, response)

@@ -5,6 +5,7 @@ be rebuilt from the step number alone: resuming needs no dataloader state beyond
 Every rank sees the same global batch and takes its data-parallel slice of it, which also lets it
 count the global number of loss tokens without communication.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ class Sample:
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor     # [b, s] tokens fed to the model
-    labels: torch.Tensor        # [b, s] next tokens
-    loss_mask: torch.Tensor     # [b, s] 1.0 where the label is a response token
+    input_ids: torch.Tensor  # [b, s] tokens fed to the model
+    labels: torch.Tensor  # [b, s] next tokens
+    loss_mask: torch.Tensor  # [b, s] 1.0 where the label is a response token
     position_ids: torch.Tensor  # [b, s]
 
 
@@ -64,8 +65,10 @@ def micro_batches(samples: list[Sample], pad_id: int, micro_batch_size: int) -> 
     and padding every micro-batch to the longest sample spent much of the step on padding; the loss
     and gradient of the step are sums over the same samples either way."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
-    return [_collate(chunk, pad_id, len(chunk[0].input_ids) - 1)
-            for chunk in (ordered[i:i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size))]
+    return [
+        _collate(chunk, pad_id, len(chunk[0].input_ids) - 1)
+        for chunk in (ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size))
+    ]
 
 
 def _collate(samples: list[Sample], pad_id: int, length: int) -> MicroBatch:

@@ -5,6 +5,7 @@ Every printable ASCII character and newline is one token (anything else becomes 
 tags are single tokens, so the tiny model sees "<think>" as one symbol; the chat template marks
 turns with <|user|> and <|assistant|> and ends the assistant's with <|eos|>.
 """
+
 from __future__ import annotations
 
 import string
@@ -28,13 +29,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+
 def build_char_tokenizer(out_dir) -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate([*SPECIALS.values(), *TURN_MARKERS, *CHARACTERS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character alone
     core.decoder = decoders.Fuse()  # join the characters back without spaces between them
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIALS, chat_template=CHAT_TEMPLATE,
-                                  clean_up_tokenization_spaces=False)  # " ." must decode as " ."
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, **SPECIALS, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False
+    )  # " ." must decode as " ."
     tok.add_special_tokens({"additional_special_tokens": list(TURN_MARKERS)})
     tok.add_tokens(list(R1_TAGS))  # not special: decoding keeps them
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -44,8 +47,14 @@ def build_char_tokenizer(out_dir) -> PreTrainedTokenizerFast:
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """The prompt as the chat template renders a user turn, ready for the assistant's reply."""
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
 
 
 def encode_sft(tokenizer, example: Example) -> tuple[list[int], list[int]]:
@@ -56,5 +65,7 @@ def encode_sft(tokenizer, example: Example) -> tuple[list[int], list[int]]:
     if example.response is None:
         raise DataError(example.id, None, "has no response; SFT needs a worked solution for every example")
     prompt = encode_prompt(tokenizer, example.prompt)
-    response = list(tokenizer(example.response, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    response = list(tokenizer(example.response, add_special_tokens=False)["input_ids"]) + [
+        tokenizer.eos_token_id
+    ]
     return prompt + response, [0] * len(prompt) + [1] * len(response)

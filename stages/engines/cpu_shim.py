@@ -21,6 +21,7 @@ Covered: GPTModel (local spec) forward and backward, the pipeline schedules (no 
 megatron's optimizer, grad clipping, DDP buffers and `tensor_parallel.broadcast_data`.
 Applied only when CUDA is absent; idempotent.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,9 @@ FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
 
 
 def _cpu_cuda_namespace() -> types.SimpleNamespace:
-    cuda = types.SimpleNamespace(**{name: getattr(torch.cuda, name) for name in dir(torch.cuda)
-                                    if not name.startswith("__")})
+    cuda = types.SimpleNamespace(
+        **{name: getattr(torch.cuda, name) for name in dir(torch.cuda) if not name.startswith("__")}
+    )
     cuda.current_device = lambda: torch.device("cpu")
     cuda.get_rng_state = lambda device=None: torch.get_rng_state()
     cuda.set_rng_state = lambda state, device=None: torch.set_rng_state(state)

@@ -5,6 +5,7 @@ no all-gather before a forward or at the rollout's weight sync, and the clip and
 run on plain tensors, not through DTensor's dispatch. The frozen reference is a plain module.
 Checkpoints and the final export: stages/engines/state_dicts.py, as for FSDP2.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

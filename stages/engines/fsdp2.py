@@ -12,6 +12,7 @@ and each rank reads from the safetensors files only the rows of its own shards (
 parameter on dim 0), so a node's host memory holds the model once over all its ranks, not once
 per rank (a 70B model in fp32 is 280 GB).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,11 +29,16 @@ from stages.models.hf_files import HFCheckpoint
 
 
 def local_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
-def load_sharded(hf_dir: Path, trainable: bool, reshard_after_forward: bool = True,
-                 units: str = "layer") -> torch.nn.Module:
+def load_sharded(
+    hf_dir: Path, trainable: bool, reshard_after_forward: bool = True, units: str = "layer"
+) -> torch.nn.Module:
     """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer, or
     with `units="model"` one for the whole model); each rank reads only its own rows of each tensor."""
     device = local_device()
@@ -69,8 +75,10 @@ def _rebuild_rotary_buffers(model: torch.nn.Module, device: torch.device) -> Non
         if not module._non_persistent_buffers_set:
             continue
         if not type(module).__name__.endswith("RotaryEmbedding"):
-            raise NotImplementedError(f"{type(module).__name__} has buffers {sorted(module._non_persistent_buffers_set)} "
-                                      "that a sharded load cannot initialise")
+            raise NotImplementedError(
+                f"{type(module).__name__} has buffers {sorted(module._non_persistent_buffers_set)} "
+                "that a sharded load cannot initialise"
+            )
         fresh = type(module)(config=model.config, device=device)
         for buffer in module._non_persistent_buffers_set:
             setattr(module, buffer, getattr(fresh, buffer))

@@ -6,6 +6,7 @@ Loss normalisation: every rank divides its summed token losses by the token coun
 global batch (times the data-parallel size, which DeepSpeed's gradient averaging divides out), so
 the loss and the gradients are those of one big batch whatever the DP/TP split or micro-batching.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoConfig
 
-from runtime.phases import phase
 from core.config import SFTStage
+from runtime.phases import phase
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron
@@ -81,7 +82,9 @@ class MegatronDeepSpeedEngine:
     def __init__(self, hf_dir: Path, stage: SFTStage, seed: int):
         apply_cpu_shim()
         p = stage.parallel  # pp == 1 and zero_stage < 3: checked by the config
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp
+        )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)
         # Initialised although every weight is overwritten: only megatron's init functions mark
@@ -90,21 +93,35 @@ class MegatronDeepSpeedEngine:
         model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
         load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": stage.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=stage.lr)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": stage.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=stage.lr,
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(stage))
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config(stage, self.dp_size), mpu=MegatronMpu())
+        self.engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(stage, self.dp_size),
+            mpu=MegatronMpu(),
+        )
 
     def train_step(self, micro_batches: list[MicroBatch], global_loss_tokens: int) -> dict:
         """Forward/backward every micro-batch of this rank, then one optimizer step."""
         loss_sum = torch.zeros(())
         for mb in micro_batches:
             with phase("forward"):
-                token_losses = self.engine(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                                           attention_mask=None, labels=mb.labels)
+                token_losses = self.engine(
+                    input_ids=mb.input_ids,
+                    position_ids=mb.position_ids,
+                    attention_mask=None,
+                    labels=mb.labels,
+                )
                 local = (token_losses.float() * mb.loss_mask).sum()
             with phase("backward"):  # includes DeepSpeed's gradient reduction at the boundary
                 self.engine.backward(local * (self.dp_size / global_loss_tokens), scale_wrt_gas=False)
@@ -113,15 +130,19 @@ class MegatronDeepSpeedEngine:
             loss_sum += local.detach()
         with phase("metrics"):
             dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-        return {"loss": loss_sum.item() / global_loss_tokens, "grad_norm": _as_float(self.engine.get_global_grad_norm()),
-                "lr": self.engine.get_lr()[0]}
+        return {
+            "loss": loss_sum.item() / global_loss_tokens,
+            "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "lr": self.engine.get_lr()[0],
+        }
 
     def save(self, directory: Path, trainer_state: dict) -> None:
         """Engine-native sharded checkpoint (model, optimizer, scheduler) plus this rank's RNG state
         and the trainer state; every rank calls it."""
         directory.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state=trainer_state,
-                                    save_latest=False)
+        self.engine.save_checkpoint(
+            str(directory.parent), tag=directory.name, client_state=trainer_state, save_latest=False
+        )
         torch.save(_rng_state(), directory / f"rng-rank-{dist.get_rank():05d}.pt")
         dist.barrier()
 
@@ -150,8 +171,12 @@ def _as_float(value) -> float | None:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     return state
 
 

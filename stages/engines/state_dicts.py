@@ -4,6 +4,7 @@ stages/engines/ddp.py) alike, through torch.distributed.checkpoint's state-dict 
 final Hugging Face export. The API strips DDP's `module.` prefix and gathers FSDP2's shards: the
 parameter names are the Hugging Face module's under either engine.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from stages.engines.ddp import unwrapped
 from stages.models.hf_files import save_hf_dir
@@ -36,8 +41,9 @@ def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path) -> Non
     dist.barrier()
 
 
-def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
-                    trainer_state: dict) -> None:
+def save_checkpoint(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, trainer_state: dict
+) -> None:
     """Sharded model and optimizer state (each rank writes its own shards) plus the trainer state."""
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))

@@ -1,6 +1,7 @@
 """A verl GRPO stage's inputs and outputs in our formats: the prompt set as verl's parquet files,
 verl's last checkpoint as our Hugging Face final/, its torch-profiler traces as profile/ events,
 and its held-out validation as eval.json."""
+
 from __future__ import annotations
 
 import json
@@ -10,26 +11,43 @@ import subprocess
 import sys
 from pathlib import Path
 
-from runtime.trace_parser import parse_trace
 from core.atomic import atomic_write_text
+from runtime.trace_parser import parse_trace
 from stages.data.examples import DataError, Example
 
 # verl's record_function ranges (DistProfiler.annotate roles) -> our GRPO phases
-VERL_PHASES = {"actor_compute_log_prob": "policy_logprob", "ref_compute_log_prob": "reference_logprob",
-               "actor_update": "policy_update"}
+VERL_PHASES = {
+    "actor_compute_log_prob": "policy_logprob",
+    "ref_compute_log_prob": "reference_logprob",
+    "actor_update": "policy_update",
+}
 # verl's step timers (marked_timer names, logged as timing_s/<name>) -> our phases
-VERL_TIMERS = {"gen": "rollout", "reward": "reward", "old_log_prob": "policy_logprob", "ref": "reference_logprob",
-               "adv": "advantage", "update_actor": "policy_update", "update_weights": "weight_sync",
-               "save_checkpoint": "checkpoint"}
+VERL_TIMERS = {
+    "gen": "rollout",
+    "reward": "reward",
+    "old_log_prob": "policy_logprob",
+    "ref": "reference_logprob",
+    "adv": "advantage",
+    "update_actor": "policy_update",
+    "update_weights": "weight_sync",
+    "save_checkpoint": "checkpoint",
+}
 _TRACE_STEP = re.compile(r"_step(\d+)_")
 
 
 def verl_rows(examples: list[Example], split: str, data_source: str) -> list[dict]:
     """verl's RL dataset rows: the prompt as one chat user turn (verl applies the model's chat
     template, as encode_prompt does for the native engine) and the answer as reward ground truth."""
-    return [{"data_source": data_source, "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": ex.answer},
-             "extra_info": {"split": split, "index": i, "id": ex.id}} for i, ex in enumerate(examples)]
+    return [
+        {
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": ex.prompt}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": ex.answer},
+            "extra_info": {"split": split, "index": i, "id": ex.id},
+        }
+        for i, ex in enumerate(examples)
+    ]
 
 
 def write_parquet(path: Path, rows: list[dict]) -> None:
@@ -49,8 +67,11 @@ def check_prompt_lengths(examples: list[Example], tokenizer, max_prompt_length: 
     for ex in examples:
         n = len(encode_prompt(tokenizer, ex.prompt))
         if n > max_prompt_length:
-            raise DataError(ex.id, None, f"the prompt is {n} tokens with the chat template, above {field} "
-                            f"({max_prompt_length})")
+            raise DataError(
+                ex.id,
+                None,
+                f"the prompt is {n} tokens with the chat template, above {field} ({max_prompt_length})",
+            )
 
 
 def latest_step(ckpt_root: Path) -> int | None:
@@ -67,9 +88,18 @@ def merge_to_final(ckpt_root: Path, step: int, backend: str, init_dir: Path, fin
         raise RuntimeError(f"verl left no actor checkpoint at {actor}")
     staging = final.with_name("final.tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    cmd = [sys.executable, "-m", "verl.model_merger", "merge", f"--backend={backend}", f"--local_dir={actor}",
-           f"--target_dir={staging}"]
-    if backend == "megatron" and json.loads((init_dir / "config.json").read_text()).get("tie_word_embeddings"):
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.model_merger",
+        "merge",
+        f"--backend={backend}",
+        f"--local_dir={actor}",
+        f"--target_dir={staging}",
+    ]
+    if backend == "megatron" and json.loads((init_dir / "config.json").read_text()).get(
+        "tie_word_embeddings"
+    ):
         cmd.append("--tie-word-embedding")
     subprocess.run(cmd, check=True)
     if not any(staging.glob("*.safetensors")):
@@ -96,7 +126,9 @@ def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
         for e in events:
             key = (tuple(e["group_ranks"]), e["op"])
             e["seq"] = seq[key] = seq.get(key, -1) + 1
-        atomic_write_text(profile_dir / f"rank-{rank:05d}.jsonl", "".join(json.dumps(e) + "\n" for e in events))
+        atomic_write_text(
+            profile_dir / f"rank-{rank:05d}.jsonl", "".join(json.dumps(e) + "\n" for e in events)
+        )
     return sum(len(events) for events in by_rank.values())
 
 
@@ -107,8 +139,11 @@ def write_metrics(verl_metrics: Path, metrics: Path) -> None:
     for line in verl_metrics.read_text().splitlines():
         row = json.loads(line)
         data = row["data"]
-        phases = {f"phase_time/{ours}": data[f"timing_s/{theirs}"] for theirs, ours in VERL_TIMERS.items()
-                  if f"timing_s/{theirs}" in data}
+        phases = {
+            f"phase_time/{ours}": data[f"timing_s/{theirs}"]
+            for theirs, ours in VERL_TIMERS.items()
+            if f"timing_s/{theirs}" in data
+        }
         rows.append({"step": row["step"], **data, **phases})
     atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
 

@@ -5,6 +5,7 @@ Every key below is one the installed verl's `ppo_trainer` config has (Hydra reje
 tests/unit/test_verl_engine.py composes the 70B config to prove it. What runs the trainer on a
 cluster (Ray, vLLM) lives in launch/verl_job.py and slurm/templates/verl_grpo.sbatch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,13 @@ REWARD_MODULE = Path(__file__).with_name("verl_reward.py")
 def verl_paths(run: RunDir, sid: str) -> dict[str, Path]:
     """Where a verl stage keeps verl's own files inside the stage directory."""
     stage = run.stage(sid).resolve()
-    return {"train": stage / "verl_data" / "train.parquet", "val": stage / "verl_data" / "val.parquet",
-            "ckpt": run.ckpt(sid).resolve(), "traces": stage / "verl_traces",
-            "metrics": stage / "verl_metrics.jsonl"}
+    return {
+        "train": stage / "verl_data" / "train.parquet",
+        "val": stage / "verl_data" / "val.parquet",
+        "ckpt": run.ckpt(sid).resolve(),
+        "traces": stage / "verl_traces",
+        "metrics": stage / "verl_metrics.jsonl",
+    }
 
 
 def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
@@ -38,11 +43,15 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "algorithm.adv_estimator": "grpo",
         "algorithm.use_kl_in_reward": False,  # KL is a loss term, as in the native engine
         "critic.enable": False,
-        "data.train_files": paths["train"], "data.val_files": paths["val"],
-        "data.prompt_key": "prompt", "data.reward_fn_key": "data_source",
+        "data.train_files": paths["train"],
+        "data.val_files": paths["val"],
+        "data.prompt_key": "prompt",
+        "data.reward_fn_key": "data_source",
         "data.train_batch_size": s.prompts_per_step,
-        "data.max_prompt_length": v.max_prompt_length, "data.max_response_length": s.max_new_tokens,
-        "data.truncation": "error", "data.seed": cfg.seed,
+        "data.max_prompt_length": v.max_prompt_length,
+        "data.max_response_length": s.max_new_tokens,
+        "data.truncation": "error",
+        "data.seed": cfg.seed,
         "actor_rollout_ref.model.path": model,
         "actor_rollout_ref.actor.ppo_mini_batch_size": s.prompts_per_step // s.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
@@ -76,7 +85,8 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "reward.custom_reward_function.name": "compute_score",
         "+reward.custom_reward_function.reward_kwargs.format_weight": s.format_reward,
         "trainer.balance_batch": s.balance_batch,
-        "trainer.nnodes": nnodes, "trainer.n_gpus_per_node": gpus_per_node,
+        "trainer.nnodes": nnodes,
+        "trainer.n_gpus_per_node": gpus_per_node,
         "trainer.total_training_steps": s.steps,
         "trainer.total_epochs": s.steps,  # an epoch has at least one step: never the limit
         "trainer.save_freq": s.checkpoint_every,
@@ -84,8 +94,10 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "trainer.resume_mode": "auto",
         "trainer.default_local_dir": paths["ckpt"],
         # Held-out accuracy of the last step's policy (= final/): greedy, on our eval set.
-        "trainer.val_before_train": False, "trainer.test_freq": s.steps,
-        "trainer.project_name": cfg.wandb.project, "trainer.experiment_name": f"{run.root.name}/{sid}",
+        "trainer.val_before_train": False,
+        "trainer.test_freq": s.steps,
+        "trainer.project_name": cfg.wandb.project,
+        "trainer.experiment_name": f"{run.root.name}/{sid}",
         "trainer.logger": logger_list(cfg),
         **backend_overrides(s),
         **profiler_overrides(cfg, s, paths["traces"]),
@@ -96,20 +108,24 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
 def backend_overrides(s: GRPOStage) -> dict:
     v = s.verl
     if v.backend == "fsdp":
-        return {"actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
-                "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
-                "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload": v.optimizer_offload,
-                "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload,
-                "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": s.reshard_after_forward,
-                "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": s.reshard_after_forward}
+        return {
+            "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
+            "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
+            "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload": v.optimizer_offload,
+            "actor_rollout_ref.ref.fsdp_config.param_offload": v.param_offload,
+            "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": s.reshard_after_forward,
+            "actor_rollout_ref.ref.fsdp_config.reshard_after_forward": s.reshard_after_forward,
+        }
     # model_engine picks verl's megatron actor/ref config groups; the reference follows the actor's layout.
-    return {"model_engine": "megatron",
-            "actor_rollout_ref.actor.optim.lr_decay_style": "constant",
-            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": v.megatron_tp,
-            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": v.megatron_pp,
-            "actor_rollout_ref.actor.megatron.param_offload": v.param_offload,
-            "actor_rollout_ref.actor.megatron.optimizer_offload": v.optimizer_offload}
+    return {
+        "model_engine": "megatron",
+        "actor_rollout_ref.actor.optim.lr_decay_style": "constant",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": v.megatron_tp,
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": v.megatron_pp,
+        "actor_rollout_ref.actor.megatron.param_offload": v.param_offload,
+        "actor_rollout_ref.actor.megatron.optimizer_offload": v.optimizer_offload,
+    }
 
 
 def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path) -> dict:
@@ -117,12 +133,17 @@ def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path) -> dict:
     worker, into the stage directory (verl_job turns them into profile/ events)."""
     if not cfg.profile.comm or not s.verl.profile_steps:
         return {}
-    return {"global_profiler.tool": "torch", "global_profiler.steps": list(s.verl.profile_steps),
-            "global_profiler.save_path": traces,
-            "actor_rollout_ref.actor.profiler.enable": True, "actor_rollout_ref.actor.profiler.all_ranks": True,
-            "actor_rollout_ref.ref.profiler.enable": True, "actor_rollout_ref.ref.profiler.all_ranks": True,
-            # record_param_comms carries the collectives' sizes only with shapes recorded
-            "actor_rollout_ref.actor.profiler.tool_config.torch.contents": ["cuda", "shapes"]}
+    return {
+        "global_profiler.tool": "torch",
+        "global_profiler.steps": list(s.verl.profile_steps),
+        "global_profiler.save_path": traces,
+        "actor_rollout_ref.actor.profiler.enable": True,
+        "actor_rollout_ref.actor.profiler.all_ranks": True,
+        "actor_rollout_ref.ref.profiler.enable": True,
+        "actor_rollout_ref.ref.profiler.all_ranks": True,
+        # record_param_comms carries the collectives' sizes only with shapes recorded
+        "actor_rollout_ref.actor.profiler.tool_config.torch.contents": ["cuda", "shapes"],
+    }
 
 
 def logger_list(cfg: RunConfig) -> list[str]:
@@ -155,6 +176,7 @@ def hydra_value(value) -> str:
 
 # --- checking against the installed verl ---------------------------------------------------------
 
+
 def compose_verl_config(overrides: list[str]):
     """verl's `ppo_trainer` config with our overrides, as `main_ppo` composes it (Hydra errors on
     a key verl does not have)."""
@@ -172,25 +194,36 @@ def validate_verl_config(config) -> None:
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a success line
-        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        validate_config(
+            config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config)
+        )
     omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
 
 
 # (verl's words for what went wrong, the field of ours that sets it), the more specific words first
-_FIELD_OF = (("real_train_batch_size", "prompts_per_step"), ("ppo_mini_batch_size", "mini_batches"),
-             ("tensor_model_parallel_size", "verl.rollout_tp"), ("model_parallel_size", "verl.megatron_tp"),
-             ("micro_batch", "verl.micro_batch_size_per_gpu"), ("gpu_memory_utilization", "verl.gpu_memory_utilization"))
+_FIELD_OF = (
+    ("real_train_batch_size", "prompts_per_step"),
+    ("ppo_mini_batch_size", "mini_batches"),
+    ("tensor_model_parallel_size", "verl.rollout_tp"),
+    ("model_parallel_size", "verl.megatron_tp"),
+    ("micro_batch", "verl.micro_batch_size_per_gpu"),
+    ("gpu_memory_utilization", "verl.gpu_memory_utilization"),
+)
 
 
 def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
     """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
     s: GRPOStage = getattr(cfg, sid)
     if gpus_per_node < 1:
-        raise ConfigError("--cluster", f"{sid} uses engine 'verl', which needs GPUs: the cluster profile has "
-                          "gpus_per_node 0")
+        raise ConfigError(
+            "--cluster",
+            f"{sid} uses engine 'verl', which needs GPUs: the cluster profile has gpus_per_node 0",
+        )
     if gpus_per_node % s.verl.rollout_tp:
-        raise ConfigError(f"{sid}.verl.rollout_tp", f"{s.verl.rollout_tp} does not divide the {gpus_per_node} GPUs "
-                          "of a node")
+        raise ConfigError(
+            f"{sid}.verl.rollout_tp",
+            f"{s.verl.rollout_tp} does not divide the {gpus_per_node} GPUs of a node",
+        )
     overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
     try:
         validate_verl_config(compose_verl_config(overrides))
@@ -206,18 +239,25 @@ def _check_batch_split(s: GRPOStage, sid: str, n_gpus: int) -> None:
     """What verl asserts only in its workers, at the first update on the GPUs: every mini-batch's
     responses split evenly over the data-parallel ranks."""
     if s.prompts_per_step % s.mini_batches:
-        raise ConfigError(f"{sid}.mini_batches", f"{s.mini_batches} does not divide prompts_per_step "
-                          f"({s.prompts_per_step})")
+        raise ConfigError(
+            f"{sid}.mini_batches", f"{s.mini_batches} does not divide prompts_per_step ({s.prompts_per_step})"
+        )
     dp = n_gpus // (s.verl.megatron_tp * s.verl.megatron_pp) if s.verl.backend == "megatron" else n_gpus
     responses = s.prompts_per_step // s.mini_batches * s.group_size
     if responses % dp:
-        raise ConfigError(f"{sid}.mini_batches", f"a mini-batch of {responses} responses (prompts_per_step / "
-                          f"mini_batches * group_size) does not split over {dp} data-parallel GPUs")
+        raise ConfigError(
+            f"{sid}.mini_batches",
+            f"a mini-batch of {responses} responses (prompts_per_step / "
+            f"mini_batches * group_size) does not split over {dp} data-parallel GPUs",
+        )
 
 
 def verl_stages(cfg: RunConfig, only: list[str] | None = None) -> list[str]:
-    return [sid for sid, stage in cfg.stages().items()
-            if getattr(stage, "engine", "native") == "verl" and (not only or sid in only)]
+    return [
+        sid
+        for sid, stage in cfg.stages().items()
+        if getattr(stage, "engine", "native") == "verl" and (not only or sid in only)
+    ]
 
 
 def refuse_local_verl(cfg: RunConfig, only: list[str] | None = None) -> None:
@@ -225,6 +265,9 @@ def refuse_local_verl(cfg: RunConfig, only: list[str] | None = None) -> None:
     of GPUs and a vLLM/SGLang rollout. Said before anything is written or launched."""
     stages = verl_stages(cfg, only)
     if stages:
-        raise ConfigError(f"{stages[0]}.engine", "'verl' cannot run here: verl.trainer.main_ppo needs GPUs and "
-                          "a vLLM or SGLang rollout. Submit it with `hpcr1 submit CONFIG --cluster NAME`, or "
-                          f"set {stages[0]}.engine=native to run it with the in-tree trainer")
+        raise ConfigError(
+            f"{stages[0]}.engine",
+            "'verl' cannot run here: verl.trainer.main_ppo needs GPUs and "
+            "a vLLM or SGLang rollout. Submit it with `hpcr1 submit CONFIG --cluster NAME`, or "
+            f"set {stages[0]}.engine=native to run it with the in-tree trainer",
+        )

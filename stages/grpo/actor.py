@@ -7,6 +7,7 @@ reaches it, so its old log-probabilities are the update's own forward, detached 
 shortcut). They are taken there, not in a forward of their own before the update; later epochs
 reuse them. With `old_log_probs: rollout` the actor computes no old log-probabilities at all: the
 rollout's are used (verl's bypass mode)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,11 +45,18 @@ class Actor:
         (NaN until then, so that a use before it shows)."""
         first = len(batch) // self.stage.mini_batches
         responses = batch.batch["responses"]
-        out = {key: torch.full(responses.shape, float("nan"), device=responses.device) for key in ("old_log_probs", "entropy")}
+        out = {
+            key: torch.full(responses.shape, float("nan"), device=responses.device)
+            for key in ("old_log_probs", "entropy")
+        }
         if first < len(batch):
             out["old_log_probs"][first:], out["entropy"][first:] = response_log_probs(
-                self.model, batch[first:], with_entropy=True, micro_batch_size=self.stage.micro_batch_size,
-                share_prompts=self.stage.shares_prompts)
+                self.model,
+                batch[first:],
+                with_entropy=True,
+                micro_batch_size=self.stage.micro_batch_size,
+                share_prompts=self.stage.shares_prompts,
+            )
         return DataProto.from_dict(tensors=out)
 
     def update(self, batch: DataProto, iteration: int) -> dict[str, float]:
@@ -63,21 +71,36 @@ class Actor:
                 global_tokens = mini.batch["response_mask"].sum()
                 dist.all_reduce(global_tokens)
                 on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
-                log_prob, entropy = response_log_probs(self.model, mini, with_entropy=on_policy,
-                                                       micro_batch_size=self.stage.micro_batch_size,
-                                                       share_prompts=self.stage.shares_prompts)
+                log_prob, entropy = response_log_probs(
+                    self.model,
+                    mini,
+                    with_entropy=on_policy,
+                    micro_batch_size=self.stage.micro_batch_size,
+                    share_prompts=self.stage.shares_prompts,
+                )
                 if on_policy:  # written into the batch (mini is a view of it) for the later epochs
                     mini.batch["old_log_probs"].copy_(log_prob.detach())
                     mini.batch["entropy"].copy_(entropy)
-                loss, stats = actor_loss(log_prob, mini, self.loss_config, self.stage.kl_coef, self.stage.kl_type,
-                                         int(global_tokens.clamp(min=1)), world)
+                loss, stats = actor_loss(
+                    log_prob,
+                    mini,
+                    self.loss_config,
+                    self.stage.kl_coef,
+                    self.stage.kl_type,
+                    int(global_tokens.clamp(min=1)),
+                    world,
+                )
                 loss.backward()
                 if self.sharded and self.stage.shares_prompts:
-                    fsdp2.reshard(self.model)  # before the step: it updates the shards, which the next forward gathers
+                    fsdp2.reshard(
+                        self.model
+                    )  # before the step: it updates the shards, which the next forward gathers
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.stage.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                stats["grad_norm"] = grad_norm.full_tensor() if self.sharded else grad_norm  # FSDP2's: a DTensor
+                stats["grad_norm"] = (
+                    grad_norm.full_tensor() if self.sharded else grad_norm
+                )  # FSDP2's: a DTensor
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value.detach().float()
         # Every statistic's sum over ranks / ranks is its global value: the losses are this rank's

@@ -9,6 +9,7 @@ keeps the same number of groups in every mini-batch, and the partition is verl's
 over its workload estimate of each row's tokens), computed from the gathered rows alone: every
 rank computes the same one, and a resumed step repeats it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,7 +37,9 @@ def balance_across_ranks(batch: DataProto, mini_batches: int, group_size: int) -
     for k in range(mini_batches):
         rows = [r * per_rank + k * per_chunk + j for r in range(world) for j in range(per_chunk)]
         # groups are labelled by position, not uid: the same prompt drawn on two ranks stays two groups
-        parts = get_group_balanced_partitions([tokens[i] for i in rows], [i // group_size for i in rows], world)
+        parts = get_group_balanced_partitions(
+            [tokens[i] for i in rows], [i // group_size for i in rows], world
+        )
         mine += [rows[i] for i in parts[rank]]
     return everyone.select_idxs(mine)
 
@@ -61,7 +64,15 @@ def padded_to(batch: DataProto, prompt_width: int, response_width: int) -> DataP
     extra_response = response_width - t["responses"].shape[1]
     if not extra_prompt and not extra_response:
         return batch
-    tensors = {key: F.pad(value, (extra_prompt, extra_response) if key in INPUTS else
-                          (extra_prompt, 0) if key in PROMPT_KEYS else (0, extra_response))
-               for key, value in t.items()}
+    tensors = {
+        key: F.pad(
+            value,
+            (extra_prompt, extra_response)
+            if key in INPUTS
+            else (extra_prompt, 0)
+            if key in PROMPT_KEYS
+            else (0, extra_response),
+        )
+        for key, value in t.items()
+    }
     return DataProto.from_dict(tensors=tensors, non_tensors=batch.non_tensor_batch, meta_info=batch.meta_info)

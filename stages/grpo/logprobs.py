@@ -15,6 +15,7 @@ A batch is forwarded in length-sorted micro-batches (`micro_batches`), each only
 longest response. Responses end at different lengths and the rollout pads them all to the longest,
 so one forward over the whole batch spends much of its time on padding; the right padding cut away
 changes nothing (attention is causal)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,8 +36,13 @@ INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOGSUMEXP_CHUNK_BYTES = 256 << 20
 
 
-def response_log_probs(model, batch: DataProto, with_entropy: bool = False, micro_batch_size: int | None = None,
-                       share_prompts: bool = True):
+def response_log_probs(
+    model,
+    batch: DataProto,
+    with_entropy: bool = False,
+    micro_batch_size: int | None = None,
+    share_prompts: bool = True,
+):
     """(log_probs [b, r], entropy [b, r] or None), in the batch's row order; positions past each
     micro-batch's longest response are 0. Logits are divided by the sampling temperature, so the
     log-probabilities are those of the distribution the rollout sampled from. The entropy carries no
@@ -68,8 +74,12 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool =
     sorted_lengths = lengths[order].tolist()
     groups, start = [], 0
     for i in range(1, len(order) + 1):
-        if (i == len(order) or i - start == max_rows
-                or cut_where_halved and 2 * sorted_lengths[i] < sorted_lengths[start]):
+        if (
+            i == len(order)
+            or i - start == max_rows
+            or cut_where_halved
+            and 2 * sorted_lengths[i] < sorted_lengths[start]
+        ):
             groups.append(order[start:i])
             start = i
     return groups
@@ -99,7 +109,7 @@ def split_to(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
         if len(groups[largest]) < 2:
             raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, groups))} rows")
         rows = groups.pop(largest)
-        groups[largest:largest] = [rows[:(len(rows) + 1) // 2], rows[(len(rows) + 1) // 2:]]
+        groups[largest:largest] = [rows[: (len(rows) + 1) // 2], rows[(len(rows) + 1) // 2 :]]
     return groups
 
 
@@ -107,6 +117,7 @@ def split_to(groups: list[torch.Tensor], count: int) -> list[torch.Tensor]:
 class SharedPrompts:
     """The batch's distinct prompts, forwarded once: their keys and values at every layer, the logits
     of their last position (which predict the first response token), and which of them each row has."""
+
     keys_values: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [distinct, kv heads, prompt, head dim]
     last_logits: torch.Tensor  # [distinct, vocab]
     of_row: torch.Tensor  # [rows]
@@ -118,7 +129,9 @@ class SharedPrompts:
         rows = torch.cat([t[key][:, :width] for key in INPUTS], dim=1)
         distinct, of_row = torch.unique(rows, dim=0, return_inverse=True)
         ids, mask, positions = distinct.split(width, dim=1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
         keys_values = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return cls(keys_values, out.logits[:, -1], of_row)
 
@@ -126,18 +139,30 @@ class SharedPrompts:
         """The logits predicting the rows' first `length` response tokens, with only the responses
         forwarded, against a cache holding a copy of each row's prompt (which the forward extends)."""
         index, start = self.of_row[rows], t["prompts"].shape[1]
-        cache = DynamicCache([(k.index_select(0, index), v.index_select(0, index)) for k, v in self.keys_values],
-                             config=unwrapped(model).config)
-        logits = model(input_ids=t["responses"][rows, :length],
-                       attention_mask=t["attention_mask"][rows, :start + length],
-                       position_ids=t["position_ids"][rows, start:start + length], past_key_values=cache,
-                       use_cache=True).logits
+        cache = DynamicCache(
+            [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.keys_values],
+            config=unwrapped(model).config,
+        )
+        logits = model(
+            input_ids=t["responses"][rows, :length],
+            attention_mask=t["attention_mask"][rows, : start + length],
+            position_ids=t["position_ids"][rows, start : start + length],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
         # Response token 0 is predicted by the prompt's last position, token j by response position j - 1.
         return torch.cat([self.last_logits.index_select(0, index)[:, None], logits[:, :-1]], dim=1)
 
 
-def _forward(model, t, prompts: SharedPrompts | None, rows: torch.Tensor, width: int, temperature: float,
-             with_entropy: bool):
+def _forward(
+    model,
+    t,
+    prompts: SharedPrompts | None,
+    rows: torch.Tensor,
+    width: int,
+    temperature: float,
+    with_entropy: bool,
+):
     """The rows' log-probs (and entropy), forwarded up to their longest response, zero-padded to `width`."""
     length = max(int(t["response_mask"][rows].sum(dim=1).max()), 1)
     if prompts is None:
@@ -165,4 +190,4 @@ def _whole_rows_logits(model, t, rows: torch.Tensor, length: int) -> torch.Tenso
     cut = t["prompts"].shape[1] + length
     logits = model(**{key: t[key][rows, :cut] for key in INPUTS}, use_cache=False).logits
     # The logits at position i predict token i + 1: the response's are the `length` positions before the end.
-    return logits[:, -length - 1:-1]
+    return logits[:, -length - 1 : -1]

@@ -5,6 +5,7 @@ first cut into the mini-batches of the update and each mini-batch is then split 
 so mini-batch m on any number of ranks is the same set of prompts, and a step on N ranks is the
 same optimisation as on one rank.
 """
+
 from __future__ import annotations
 
 from stages.data.examples import Example
@@ -24,5 +25,8 @@ def rank_share(global_batch: list, rank: int, world: int, mini_batches: int) -> 
     """This rank's part of every mini-batch, concatenated in mini-batch order (so the local batch
     cuts into `mini_batches` equal contiguous chunks that line up across ranks)."""
     per_rank = len(global_batch) // (world * mini_batches)
-    return [item for block in range(mini_batches) for item in
-            global_batch[(block * world + rank) * per_rank:(block * world + rank + 1) * per_rank]]
+    return [
+        item
+        for block in range(mini_batches)
+        for item in global_batch[(block * world + rank) * per_rank : (block * world + rank + 1) * per_rank]
+    ]

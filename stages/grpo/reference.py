@@ -1,5 +1,6 @@
 """The reference role: a frozen copy of the stage's starting model, sharded (FSDP2) or whole on every
 rank (the stage's data_parallel), giving the log-probabilities the KL term compares the policy against."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,6 +20,10 @@ class Reference:
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
-        log_probs, _ = response_log_probs(self.model, batch, micro_batch_size=self.stage.micro_batch_size,
-                                          share_prompts=self.stage.shares_prompts)
+        log_probs, _ = response_log_probs(
+            self.model,
+            batch,
+            micro_batch_size=self.stage.micro_batch_size,
+            share_prompts=self.stage.shares_prompts,
+        )
         return DataProto.from_dict(tensors={"ref_log_probs": log_probs})

@@ -7,6 +7,7 @@ overwrites with the actor's current parameters before every rollout. Measured on
 and hooks at every decoding step; still 2x when kept unsharded), while gathering the full
 weights into the copy takes ~1/6 of a plain generate.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,8 +22,16 @@ from stages.generation import TokenScores, generate_tokens
 
 
 class Rollout:
-    def __init__(self, model_dir, tokenizer, group_size: int, max_new_tokens: int, temperature: float, top_p: float,
-                 with_log_probs: bool = False):
+    def __init__(
+        self,
+        model_dir,
+        tokenizer,
+        group_size: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        with_log_probs: bool = False,
+    ):
         self.model = load_replicated(model_dir, trainable=False)
         self.tokenizer = tokenizer
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
@@ -44,22 +53,33 @@ class Rollout:
         `with_log_probs`, the batch also holds each response token's `rollout_log_probs` and the
         `entropy` of the distribution it was drawn from."""
         torch.manual_seed(seed)
-        encoded = [encode_prompt(self.tokenizer, ex.prompt) for ex in prompts]  # once a prompt, not once a row
+        encoded = [
+            encode_prompt(self.tokenizer, ex.prompt) for ex in prompts
+        ]  # once a prompt, not once a row
         prompt_ids = [ids for ids in encoded for _ in range(self.group_size)]
-        scores = (TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, local_device())
-                  if self.with_log_probs else None)
-        prompt, prompt_mask, responses = generate_tokens(self.model, self.tokenizer, prompt_ids, self.max_new_tokens,
-                                                         self.temperature, self.top_p, scores)
+        scores = (
+            TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, local_device())
+            if self.with_log_probs
+            else None
+        )
+        prompt, prompt_mask, responses = generate_tokens(
+            self.model, self.tokenizer, prompt_ids, self.max_new_tokens, self.temperature, self.top_p, scores
+        )
         batch = sequences(prompt, prompt_mask, responses, self.tokenizer.eos_token_id)
         if scores is not None:
             width = responses.shape[1]
             batch.update(rollout_log_probs=scores.log_probs[:, :width], entropy=scores.entropy[:, :width])
         repeat = lambda values: np.array([v for v in values for _ in range(self.group_size)], dtype=object)  # noqa: E731
-        non_tensors = {"uid": repeat(ex.id for ex in prompts), "answer": repeat(ex.answer for ex in prompts),
-                       "response_text": np.array(self.tokenizer.batch_decode(responses, skip_special_tokens=True),
-                                                 dtype=object)}
-        return DataProto.from_dict(tensors=batch, non_tensors=non_tensors,
-                                   meta_info={"temperature": self.temperature})
+        non_tensors = {
+            "uid": repeat(ex.id for ex in prompts),
+            "answer": repeat(ex.answer for ex in prompts),
+            "response_text": np.array(
+                self.tokenizer.batch_decode(responses, skip_special_tokens=True), dtype=object
+            ),
+        }
+        return DataProto.from_dict(
+            tensors=batch, non_tensors=non_tensors, meta_info={"temperature": self.temperature}
+        )
 
 
 def sequences(prompt: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, eos_id: int) -> dict:
@@ -70,5 +90,11 @@ def sequences(prompt: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.
     response_mask = ((is_eos.cumsum(dim=1) - is_eos) == 0).long()
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return {"prompts": prompt, "responses": responses, "input_ids": torch.cat([prompt, responses], dim=1),
-            "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask}
+    return {
+        "prompts": prompt,
+        "responses": responses,
+        "input_ids": torch.cat([prompt, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+    }

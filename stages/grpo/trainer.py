@@ -2,6 +2,7 @@
 a step is rollout -> reward -> old/reference log-probs -> advantages -> policy update, each in its
 named phase, with the phase wall times in the step's metrics. Resumable from the newest valid step
 checkpoint: the prompt order and the sampling seeds are functions of (seed, step, rank)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 from verl.protocol import DataProto
 
-from runtime.phases import phase
 from runtime.context import StageContext
+from runtime.phases import phase
 from stages.data.examples import read_examples
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
@@ -34,11 +35,20 @@ class Roles:
 
 def build_roles(init_dir, tokenizer, stage) -> Roles:
     reward = RuleReward(stage.format_reward)  # first: its scoring process starts while the models load
-    return Roles(actor=Actor(init_dir, stage),
-                 reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
-                 rollout=Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
-                                 stage.top_p, with_log_probs=stage.old_log_probs == "rollout"),
-                 reward=reward)
+    return Roles(
+        actor=Actor(init_dir, stage),
+        reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
+        rollout=Rollout(
+            init_dir,
+            tokenizer,
+            stage.group_size,
+            stage.max_new_tokens,
+            stage.temperature,
+            stage.top_p,
+            with_log_probs=stage.old_log_probs == "rollout",
+        ),
+        reward=reward,
+    )
 
 
 def sampling_seed(seed: int, step: int, rank: int) -> int:
@@ -93,14 +103,28 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
     t, nt = batch.batch, batch.non_tensor_batch
     rewards = t["token_level_rewards"].sum(dim=1)
     mask = t["response_mask"].float()
-    sums = torch.stack([torch.tensor(float(len(batch))), rewards.sum().cpu(), rewards.square().sum().cpu(),
-                        torch.tensor(float(nt["correct"].sum())), torch.tensor(float(nt["format_ok"].sum())),
-                        mask.sum().cpu(), (t["entropy"] * mask).sum().cpu()]).to(rewards.device)
+    sums = torch.stack(
+        [
+            torch.tensor(float(len(batch))),
+            rewards.sum().cpu(),
+            rewards.square().sum().cpu(),
+            torch.tensor(float(nt["correct"].sum())),
+            torch.tensor(float(nt["format_ok"].sum())),
+            mask.sum().cpu(),
+            (t["entropy"] * mask).sum().cpu(),
+        ]
+    ).to(rewards.device)
     dist.all_reduce(sums)
     n, r, r2, correct, well_formed, tokens, entropy = sums.tolist()
     mean = r / n
-    return {"reward/mean": mean, "reward/std": max(r2 / n - mean * mean, 0.0) ** 0.5, "accuracy": correct / n,
-            "format_rate": well_formed / n, "response_length/mean": tokens / n, "entropy": entropy / max(tokens, 1)}
+    return {
+        "reward/mean": mean,
+        "reward/std": max(r2 / n - mean * mean, 0.0) ** 0.5,
+        "accuracy": correct / n,
+        "format_rate": well_formed / n,
+        "response_length/mean": tokens / n,
+        "entropy": entropy / max(tokens, 1),
+    }
 
 
 def run(ctx: StageContext) -> None:
@@ -110,5 +134,10 @@ def run(ctx: StageContext) -> None:
     schedule = PromptSchedule(read_examples(ctx.run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
     roles = build_roles(init_dir, tokenizer, stage)
     samples = {"samples": stage.prompts_per_step * stage.group_size}
-    train(ctx, roles.actor, init_dir, lambda step: (train_step_at(roles, schedule, stage, cfg.seed, step), samples),
-          lambda stats: {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"})
+    train(
+        ctx,
+        roles.actor,
+        init_dir,
+        lambda step: (train_step_at(roles, schedule, stage, cfg.seed, step), samples),
+        lambda stats: {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"},
+    )

@@ -13,6 +13,7 @@ tensors; the reference) and `load_hf_into_megatron` (streaming: memory-mapped sl
 rank's). `megatron_to_hf` is the inverse, written independently, unit by unit (embedding, layer,
 head), so that `export_megatron_to_hf` can gather, convert and write one unit at a time.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,7 @@ def _layer_range(hf_config, pp_rank: int, pp_size: int) -> range:
 @dataclass(frozen=True)
 class Piece:
     """Rows (dim 0) or columns (dim 1) [start, stop) of one HF tensor."""
+
     hf_name: str
     dim: int
     start: int
@@ -84,9 +86,15 @@ def shard_layout(hf_config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: i
         # [q heads of group g, k_g, v_g] for this rank's query groups
         out[m + "self_attention.linear_qkv.weight"] = [
             Piece(h + f"self_attn.{name}_proj.weight", 0, g * rows, (g + 1) * rows)
-            for g in my_groups for name, rows in (("q", q_per_group * d), ("k", d), ("v", d))]
-        out[m + "self_attention.linear_proj.weight"] = share(h + "self_attn.o_proj.weight", 1, groups * q_per_group * d)
-        out[m + "mlp.linear_fc1.weight"] = share(h + "mlp.gate_proj.weight", 0, ffn) + share(h + "mlp.up_proj.weight", 0, ffn)
+            for g in my_groups
+            for name, rows in (("q", q_per_group * d), ("k", d), ("v", d))
+        ]
+        out[m + "self_attention.linear_proj.weight"] = share(
+            h + "self_attn.o_proj.weight", 1, groups * q_per_group * d
+        )
+        out[m + "mlp.linear_fc1.weight"] = share(h + "mlp.gate_proj.weight", 0, ffn) + share(
+            h + "mlp.up_proj.weight", 0, ffn
+        )
         out[m + "mlp.linear_fc2.weight"] = share(h + "mlp.down_proj.weight", 1, ffn)
         out[m + "input_layernorm.weight"] = whole(h + "input_layernorm.weight", hidden)
         out[m + "pre_mlp_layernorm.weight"] = whole(h + "post_attention_layernorm.weight", hidden)
@@ -102,21 +110,31 @@ def assemble(pieces: list[Piece], read: Callable[[Piece], torch.Tensor]) -> torc
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], hf_config, tp_rank: int, tp_size: int, pp_rank: int,
-                   pp_size: int) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], hf_config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> dict[str, torch.Tensor]:
     """The shard of (tp_rank, pp_rank) cut from whole HF tensors (the reference the streaming
     loader is tested against). Reads only this stage's keys of `hf`."""
+
     def read(p: Piece) -> torch.Tensor:  # a compact copy, so the shard keeps no full HF tensor alive
-        return hf[p.hf_name].narrow(p.dim, p.start, p.stop - p.start).clone(memory_format=torch.contiguous_format)
+        return (
+            hf[p.hf_name]
+            .narrow(p.dim, p.start, p.stop - p.start)
+            .clone(memory_format=torch.contiguous_format)
+        )
 
-    return {key: assemble(pieces, read)
-            for key, pieces in shard_layout(hf_config, tp_rank, tp_size, pp_rank, pp_size).items()}
+    return {
+        key: assemble(pieces, read)
+        for key, pieces in shard_layout(hf_config, tp_rank, tp_size, pp_rank, pp_size).items()
+    }
 
 
-def stream_shard(ckpt: HFCheckpoint, hf_config, tp_rank: int, tp_size: int, pp_rank: int,
-                 pp_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_shard(
+    ckpt: HFCheckpoint, hf_config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The same shard as hf_to_megatron, one tensor at a time, each read from the memory-mapped
     files as only the rows/columns it is made of."""
+
     def read(p: Piece) -> torch.Tensor:
         return (ckpt.read_rows if p.dim == 0 else ckpt.read_columns)(p.hf_name, p.start, p.stop)
 
@@ -128,6 +146,7 @@ def stream_shard(ckpt: HFCheckpoint, hf_config, tp_rank: int, tp_size: int, pp_r
 class Unit:
     """A piece of the model that one pipeline stage holds whole: the embedding, one decoder layer
     (`layer`, `local` its index on the stage), or the head (final norm and output layer)."""
+
     pp: int
     kind: str
     layer: int = 0
@@ -139,15 +158,26 @@ class Unit:
         if self.kind == "head":
             return ["decoder.final_layernorm.weight", "output_layer.weight"]
         m = MG_LAYER.format(self.local)
-        return [m + name for name in ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                                      "mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "input_layernorm.weight",
-                                      "pre_mlp_layernorm.weight")]
+        return [
+            m + name
+            for name in (
+                "self_attention.linear_qkv.weight",
+                "self_attention.linear_proj.weight",
+                "mlp.linear_fc1.weight",
+                "mlp.linear_fc2.weight",
+                "input_layernorm.weight",
+                "pre_mlp_layernorm.weight",
+            )
+        ]
 
 
 def model_units(hf_config, pp_size: int) -> list[Unit]:
     """The whole model in HF order."""
-    layers = [Unit(pp, "layer", layer, local) for pp in range(pp_size)
-              for local, layer in enumerate(_layer_range(hf_config, pp, pp_size))]
+    layers = [
+        Unit(pp, "layer", layer, local)
+        for pp in range(pp_size)
+        for local, layer in enumerate(_layer_range(hf_config, pp, pp_size))
+    ]
     return [Unit(0, "embedding"), *layers, Unit(pp_size - 1, "head")]
 
 
@@ -169,8 +199,10 @@ def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> Iterator[tuple[s
         yield "lm_head.weight", rows("output_layer.weight")
         return
     h, m = HF_LAYER.format(unit.layer), MG_LAYER.format(unit.local)
-    yield from zip((h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"),
-                   split_qkv(rows(m + "self_attention.linear_qkv.weight"), hf_config))
+    yield from zip(
+        (h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight", h + "self_attn.v_proj.weight"),
+        split_qkv(rows(m + "self_attention.linear_qkv.weight"), hf_config),
+    )
     yield h + "self_attn.o_proj.weight", cols(m + "self_attention.linear_proj.weight")
     gate_up = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in tp_shards]
     yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in gate_up])
@@ -193,21 +225,37 @@ def hf_specs(hf_config, dtype: torch.dtype) -> list[TensorSpec]:
     """Every tensor of the HF Llama, with its shape, in HF order."""
     groups, q_per_group, d = _qkv_groups(hf_config)
     hidden, ffn, vocab = hf_config.hidden_size, hf_config.intermediate_size, hf_config.vocab_size
-    layer = {"self_attn.q_proj.weight": (groups * q_per_group * d, hidden), "self_attn.k_proj.weight": (groups * d, hidden),
-             "self_attn.v_proj.weight": (groups * d, hidden), "self_attn.o_proj.weight": (hidden, groups * q_per_group * d),
-             "mlp.gate_proj.weight": (ffn, hidden), "mlp.up_proj.weight": (ffn, hidden),
-             "mlp.down_proj.weight": (hidden, ffn), "input_layernorm.weight": (hidden,),
-             "post_attention_layernorm.weight": (hidden,)}
-    shapes = {"model.embed_tokens.weight": (vocab, hidden),
-              **{HF_LAYER.format(i) + name: shape for i in range(hf_config.num_hidden_layers)
-                 for name, shape in layer.items()},
-              "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    layer = {
+        "self_attn.q_proj.weight": (groups * q_per_group * d, hidden),
+        "self_attn.k_proj.weight": (groups * d, hidden),
+        "self_attn.v_proj.weight": (groups * d, hidden),
+        "self_attn.o_proj.weight": (hidden, groups * q_per_group * d),
+        "mlp.gate_proj.weight": (ffn, hidden),
+        "mlp.up_proj.weight": (ffn, hidden),
+        "mlp.down_proj.weight": (hidden, ffn),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    shapes = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        **{
+            HF_LAYER.format(i) + name: shape
+            for i in range(hf_config.num_hidden_layers)
+            for name, shape in layer.items()
+        },
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (vocab, hidden),
+    }
     return [TensorSpec(name, shape, dtype) for name, shape in shapes.items()]
 
 
 def _parallel_ranks() -> tuple[int, int, int, int]:
-    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size())
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -226,14 +274,23 @@ def load_hf_into_megatron(model: torch.nn.Module, hf_dir: Path, hf_config=None) 
     weights = _weights(model)
     expected = shard_layout(hf_config, *ranks).keys()
     if weights.keys() != expected:
-        raise ValueError(f"the model's weights do not match the layout: missing {sorted(expected - weights.keys())},"
-                         f" unexpected {sorted(weights.keys() - expected)}")
+        raise ValueError(
+            f"the model's weights do not match the layout: missing {sorted(expected - weights.keys())},"
+            f" unexpected {sorted(weights.keys() - expected)}"
+        )
     show = dist.is_initialized() and dist.get_rank() == 0
     with torch.no_grad():
-        for key, tensor in tqdm(stream_shard(HFCheckpoint(hf_dir), hf_config, *ranks), total=len(weights),
-                                desc="loading weights", unit="tensor", disable=not show):
+        for key, tensor in tqdm(
+            stream_shard(HFCheckpoint(hf_dir), hf_config, *ranks),
+            total=len(weights),
+            desc="loading weights",
+            unit="tensor",
+            disable=not show,
+        ):
             if tensor.shape != weights[key].shape:
-                raise ValueError(f"{key}: {hf_dir} gives {tuple(tensor.shape)}, the model has {tuple(weights[key].shape)}")
+                raise ValueError(
+                    f"{key}: {hf_dir} gives {tuple(tensor.shape)}, the model has {tuple(weights[key].shape)}"
+                )
             weights[key].copy_(tensor)
 
 
@@ -252,8 +309,13 @@ def _replica0_ranks() -> dict[tuple[int, int], int]:
     return {(pp, tp): rank for rank, (pp, tp, dp) in enumerate(everyone) if dp == 0}
 
 
-def _gather_unit(unit: Unit, weights: dict[str, torch.Tensor], owners: dict[tuple[int, int], int],
-                 hf_config, hf_shapes: dict) -> list[dict] | None:
+def _gather_unit(
+    unit: Unit,
+    weights: dict[str, torch.Tensor],
+    owners: dict[tuple[int, int], int],
+    hf_config,
+    hf_shapes: dict,
+) -> list[dict] | None:
     """The unit's megatron tensors from every TP rank of its stage (data-parallel replica 0), sent
     to global rank 0 as [tp_rank] -> {key: tensor} (None elsewhere). Every rank must call it, units
     in the same order."""
@@ -274,14 +336,21 @@ def _gather_unit(unit: Unit, weights: dict[str, torch.Tensor], owners: dict[tupl
         layout = shard_layout(hf_config, tp, tp_size, unit.pp, pp_size)
         part = {}
         for key in keys:
-            part[key] = torch.empty(megatron_shape(layout[key], hf_shapes), dtype=some.dtype, device=some.device)
+            part[key] = torch.empty(
+                megatron_shape(layout[key], hf_shapes), dtype=some.dtype, device=some.device
+            )
             dist.recv(part[key], src=owner)
         tp_shards.append({key: t.cpu() for key, t in part.items()})
     return tp_shards
 
 
-def export_megatron_to_hf(model: torch.nn.Module, hf_config, out_dir: Path, tokenizer_dir: Path | None = None,
-                          max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def export_megatron_to_hf(
+    model: torch.nn.Module,
+    hf_config,
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
     """Write the model as an HF directory from global rank 0, one unit (embedding, layer, head) at
     a time: received from its TP ranks (point to point from data-parallel replica 0), converted,
     written to its place in the safetensors files, dropped; rank 0 never holds more than about one

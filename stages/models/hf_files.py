@@ -6,6 +6,7 @@ A safetensors file is an 8-byte little-endian header length, a JSON header namin
 dtype, shape and byte range, then the raw bytes; knowing every tensor's shape up front, the writer
 lays out the header first and then places each tensor's bytes wherever they belong as it arrives.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,14 @@ SINGLE = "model.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9
 # Files of an HF model directory that are not weights or config.json: the tokenizer's, and the
 # generation defaults (eos/pad ids) that `generate` reads.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-              "tokenizer.model", "generation_config.json")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "generation_config.json",
+)
 DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -118,8 +125,11 @@ class _SafetensorsFile:
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         self.slots = {}
         for spec in specs:
-            header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": DTYPE_NAMES[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             self.slots[spec.name] = (spec, offset)
             offset += spec.nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -132,7 +142,9 @@ class _SafetensorsFile:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec, offset = self.slots[name]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {spec.shape} {spec.dtype}")
+            raise ValueError(
+                f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {spec.shape} {spec.dtype}"
+            )
         self.file.seek(self.data_start + offset)
         self.file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
 
@@ -153,8 +165,11 @@ class HFDirWriter:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         groups = plan_files(specs, max_shard_bytes)
-        names = [SINGLE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-                                                     for i in range(1, len(groups) + 1)]
+        names = (
+            [SINGLE]
+            if len(groups) == 1
+            else [f"model-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+        )
         self.file_of, self.pending = {}, {spec.name for spec in specs}
         for name, group in zip(names, groups):
             f = _SafetensorsFile(self.out_dir / name, group)
@@ -175,8 +190,10 @@ class HFDirWriter:
         for f in files.values():
             f.close()
         if len(files) > 1:
-            index = {"metadata": {"total_size": self.total_size},
-                     "weight_map": {tensor: name for tensor, (name, _) in self.file_of.items()}}
+            index = {
+                "metadata": {"total_size": self.total_size},
+                "weight_map": {tensor: name for tensor, (name, _) in self.file_of.items()},
+            }
             atomic_write_text(self.out_dir / INDEX, json.dumps(index, indent=2))
         config = copy.deepcopy(hf_config)
         config.dtype = self.dtype
@@ -190,8 +207,13 @@ def specs_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors]
 
 
-def save_hf_dir(hf_state: dict[str, torch.Tensor], hf_config, out_dir: Path, tokenizer_dir: Path | None = None,
-                max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+def save_hf_dir(
+    hf_state: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
     """safetensors (sharded past max_shard_bytes) + config.json (+ the tokenizer's and generation
     files of tokenizer_dir), loadable by AutoModelForCausalLM; config.json's dtype is the weights'."""
     writer = HFDirWriter(out_dir, specs_of(hf_state.items()), max_shard_bytes)

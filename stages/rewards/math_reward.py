@@ -9,6 +9,7 @@ process that the kernel ends when a comparison has used up its CPU time: the bou
 thread, and it is CPU time, not wall-clock time, so that a busy machine does not turn right answers
 into wrong ones (the same response must get the same reward in every run). `score` never raises.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,9 +29,9 @@ R1_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 R1_LAYOUT = re.compile(r"<think>.*</think>\s*<answer>.*</answer>", re.S)
 PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)")
 THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
-MAX_NUMBER_CHARS = 10_000   # exact comparison of numbers this long still takes microseconds
-MAX_SYMBOLIC_CHARS = 512    # longer answers are compared as text only, never parsed
-SYMBOLIC_CPU_S = 0.5        # CPU time per math_verify comparison; a costlier one scores incorrect
+MAX_NUMBER_CHARS = 10_000  # exact comparison of numbers this long still takes microseconds
+MAX_SYMBOLIC_CHARS = 512  # longer answers are compared as text only, never parsed
+SYMBOLIC_CPU_S = 0.5  # CPU time per math_verify comparison; a costlier one scores incorrect
 # A worker that neither answers nor dies (its CPU budget ends any computation) is hung.
 WORKER_HUNG_S = 600.0
 
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Score:
     format_ok: bool  # exactly <think>...</think> then <answer>...</answer>, with only whitespace around
-    correct: bool    # the extracted answer equals the ground truth
-    reward: float    # correct_weight * correct + format_weight * format_ok
+    correct: bool  # the extracted answer equals the ground truth
+    reward: float  # correct_weight * correct + format_weight * format_ok
 
 
 def score(response: str, answer: str, correct_weight: float = 1.0, format_weight: float = 0.1) -> Score:
@@ -63,7 +64,7 @@ def extract_answer(response: str) -> str | None:
     start = response.rfind("<answer>", 0, end)
     if end < 0 or start < 0:
         return None
-    return response[start + len("<answer>"):end].strip()
+    return response[start + len("<answer>") : end].strip()
 
 
 def answers_match(predicted: str, truth: str) -> bool:
@@ -119,8 +120,12 @@ class _SymbolicWorker:
     def _spawn(self) -> None:
         script = Path(__file__).with_name("symbolic_worker.py")
         try:
-            self.proc = subprocess.Popen([sys.executable, str(script), str(SYMBOLIC_CPU_S)], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), str(SYMBOLIC_CPU_S)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         except OSError:
             self.proc = None
 

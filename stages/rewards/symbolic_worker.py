@@ -3,6 +3,7 @@ then for each JSON [gold, predicted] line in, "1" or "0" a line out. Each compar
 `argv[1]` seconds of CPU time: then SIGPROF, left at its default action, ends this process even
 inside C code, and the parent scores the answer incorrect. math_verify's own timeouts (SIGALRM,
 wall-clock) are turned off here."""
+
 import json
 import logging
 import signal
@@ -20,8 +21,9 @@ def main() -> None:
         try:
             gold_parsed = parse(f"${gold}$", parsing_timeout=None)
             predicted_parsed = parse(f"${predicted}$", parsing_timeout=None)
-            return bool(gold_parsed and predicted_parsed) and verify(gold_parsed, predicted_parsed,
-                                                                     timeout_seconds=None)
+            return bool(gold_parsed and predicted_parsed) and verify(
+                gold_parsed, predicted_parsed, timeout_seconds=None
+            )
         except Exception:  # a malformed expression is a wrong answer
             return False
 

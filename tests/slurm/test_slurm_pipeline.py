@@ -1,6 +1,7 @@
 """The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, USR1
 checkpoint-and-requeue (and the exit code srun reports for ranks leaving for it), and a failed stage
 ending its dependants — with `hpcr1 status` saying so."""
+
 from __future__ import annotations
 
 import json
@@ -16,21 +17,32 @@ from launch.slurm_launch import srun_command
 from tests.conftest import REPO, SMALL_RUN, hpcr1_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-TWO_STAGES = {**SMALL_RUN, "name": "slurm", "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"}}
+TWO_STAGES = {
+    **SMALL_RUN,
+    "name": "slurm",
+    "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"},
+}
 
 
 @pytest.fixture(scope="module")
 def slurm_env():
-    out = subprocess.run(["bash", str(REPO / "slurm" / "local" / "start.sh")], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        ["bash", str(REPO / "slurm" / "local" / "start.sh")], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
     return {**hpcr1_env(), "SLURM_CONF": conf}
 
 
 def hpcr1(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert not check or out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -60,8 +72,9 @@ def wait_for(predicate, what: str, timeout: float = 400, explain=lambda: ""):
 def job_story(env, run: Path, stage: str) -> str:
     """What a timed-out wait shows: the stage's manifest entry, Slurm's view of its job, the job's output."""
     entry = manifest(run)[stage]
-    job = subprocess.run(["scontrol", "show", "job", entry.get("job_id", "")], env=env, capture_output=True,
-                         text=True).stdout
+    job = subprocess.run(
+        ["scontrol", "show", "job", entry.get("job_id", "")], env=env, capture_output=True, text=True
+    ).stdout
     outputs = sorted((run / stage / "logs").glob("slurm-*.out"))
     tail = outputs[-1].read_text()[-2000:] if outputs else "(no job output)"
     return f"manifest: {json.dumps(entry)}\nscontrol show job:\n{job}\njob output (tail):\n{tail}"
@@ -76,12 +89,25 @@ def embedded_default_shrunk() -> dict:
     """configs/tiny-cpu.yaml cut to a few steps on one-digit sums: stage 1 must learn enough (~0.5
     accuracy in 150 steps) for the synthesis stage to find correct answers, or it fails, as it should."""
     config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-    config.update(data={"arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8,
-                                       "eval_size": 8}},
-                  eval={"num_examples": 8, "max_new_tokens": 24, "batch_size": 8}, wandb={"mode": "disabled"})
-    config["stage1_sft"].update(steps=150, global_batch_size=32, micro_batch_size=16, lr=3e-3, min_lr=3e-4,
-                                warmup_steps=2, checkpoint_every=50)
-    config["stage3_sft"].update(steps=4, global_batch_size=8, micro_batch_size=4, warmup_steps=1, checkpoint_every=2)
+    config.update(
+        data={
+            "arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8, "eval_size": 8}
+        },
+        eval={"num_examples": 8, "max_new_tokens": 24, "batch_size": 8},
+        wandb={"mode": "disabled"},
+    )
+    config["stage1_sft"].update(
+        steps=150,
+        global_batch_size=32,
+        micro_batch_size=16,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=2,
+        checkpoint_every=50,
+    )
+    config["stage3_sft"].update(
+        steps=4, global_batch_size=8, micro_batch_size=4, warmup_steps=1, checkpoint_every=2
+    )
     for grpo in ("stage2_grpo", "stage4_grpo"):
         config[grpo].update(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=24, checkpoint_every=1)
     config["stage3_synth"].update(num_prompts=8, samples_per_prompt=2, max_new_tokens=24, batch_size=8)
@@ -104,11 +130,19 @@ def test_embedded_default_runs_as_chained_jobs_with_hostile_names(slurm_env, tmp
     assert len({e["job_id"] for e in manifest(run).values()}) == 5
     script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
     assert "--signal=B:USR1@30" in script and "--requeue" in script
-    wait_for(lambda: all(e["state"] == "done" for e in manifest(run).values())
-             or any(e["state"] == "failed" for e in manifest(run).values()), "all five stages", timeout=900)
+    wait_for(
+        lambda: (
+            all(e["state"] == "done" for e in manifest(run).values())
+            or any(e["state"] == "failed" for e in manifest(run).values())
+        ),
+        "all five stages",
+        timeout=900,
+    )
     stages = manifest(run)
     assert all(e["state"] == "done" for e in stages.values()), stages
-    assert all(stages[a]["ended"] <= stages[b]["started"] for a, b in zip(chain, chain[1:])), "afterok chain broken"
+    assert all(stages[a]["ended"] <= stages[b]["started"] for a, b in zip(chain, chain[1:])), (
+        "afterok chain broken"
+    )
     assert not pwned.exists(), "a hostile string was executed"
     status = hpcr1(slurm_env, "status", str(run)).stdout
     assert status.count("done") == 5 and "COMPLETED" in status, status
@@ -125,7 +159,9 @@ def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_
     assert "failed" in hpcr1(slurm_env, "status", str(run)).stdout
 
     hpcr1(slurm_env, "resume", str(run), "--cluster", "local")
-    wait_for(lambda: all_done(run), "the resumed stage", explain=lambda: job_story(slurm_env, run, "stage3_sft"))
+    wait_for(
+        lambda: all_done(run), "the resumed stage", explain=lambda: job_story(slurm_env, run, "stage3_sft")
+    )
     stages = manifest(run)
     assert stages["stage1_sft"]["attempts"] == 1, "a done stage was recomputed"
     assert stages["stage3_sft"]["attempts"] == 2
@@ -136,24 +172,38 @@ def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_
 
 def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
     # 200 steps (~50 s here) leave the signal, sent at step 3, ample time to land before the end.
-    config = {**SMALL_RUN, "name": "usr1", "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 200,
-                                                         "checkpoint_every": 1000}}
+    config = {
+        **SMALL_RUN,
+        "name": "usr1",
+        "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 200, "checkpoint_every": 1000},
+    }
     run = submit(slurm_env, tmp_path, config)
     job = manifest(run)["stage1_sft"]["job_id"]
     metrics = run / "stage1_sft" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "training to start")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
     # Slurm holds the requeued job for cred_expire + 1 s (31 s on the local cluster), and status says so.
-    wait_for(lambda: "PENDING (BeginTime)" in hpcr1(slurm_env, "status", str(run)).stdout,
-             "status to show the requeued job's hold", timeout=120, explain=lambda: job_story(slurm_env, run, "stage1_sft"))
-    wait_for(lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"), "the requeued job to end",
-             timeout=600, explain=lambda: job_story(slurm_env, run, "stage1_sft"))
+    wait_for(
+        lambda: "PENDING (BeginTime)" in hpcr1(slurm_env, "status", str(run)).stdout,
+        "status to show the requeued job's hold",
+        timeout=120,
+        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
+    )
+    wait_for(
+        lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"),
+        "the requeued job to end",
+        timeout=600,
+        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
+    )
     entry = manifest(run)["stage1_sft"]
     assert entry["state"] == "done", job_story(slurm_env, run, "stage1_sft")
     assert entry["preempted"] == 1 and entry["attempts"] == 2
     log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
-    stopped = [int(line.split("stopping at step ")[1].split()[0]) for line in log.splitlines()
-               if "stopping at step" in line]
+    stopped = [
+        int(line.split("stopping at step ")[1].split()[0])
+        for line in log.splitlines()
+        if "stopping at step" in line
+    ]
     resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
     assert stopped and resumed == stopped, (stopped, resumed)
 
@@ -162,17 +212,25 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
     """Rank 1 leaves at once, rank 0 tears down for 60 s: srun (with the stage launcher's options)
     TERMs rank 0 when rank 1's 75 comes, and must still report 75, not 143 (which fails the stage)."""
     rank = tmp_path / "rank.py"
-    rank.write_text("import os, time\nfrom runtime.preemption import leave_for_requeue\n"
-                    "try:\n    leave_for_requeue()\nfinally:\n"
-                    "    if os.environ['SLURM_PROCID'] == '0':\n        time.sleep(60)\n")
+    rank.write_text(
+        "import os, time\nfrom runtime.preemption import leave_for_requeue\n"
+        "try:\n    leave_for_requeue()\nfinally:\n"
+        "    if os.environ['SLURM_PROCID'] == '0':\n        time.sleep(60)\n"
+    )
     launcher = srun_command(tmp_path, "stage1_sft", "srun")
-    srun = launcher[:launcher.index(sys.executable)]
+    srun = launcher[: launcher.index(sys.executable)]
     script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\n{' '.join(srun)} {sys.executable} {rank}\necho \"srun exit $?\"\n")
+    script.write_text(f'#!/bin/bash\n{" ".join(srun)} {sys.executable} {rank}\necho "srun exit $?"\n')
     out = tmp_path / "job.out"
     started = time.monotonic()
-    subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)], env=slurm_env, cwd=REPO,
-                   capture_output=True, timeout=120, check=True)
+    subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
+        env=slurm_env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
     assert "srun exit 75" in out.read_text(), out.read_text()
     assert time.monotonic() - started < 50, "rank 0 was not stopped: it ran its whole teardown"
 
@@ -188,7 +246,15 @@ def test_failed_stage_ends_its_dependants(slurm_env, tmp_path):
     hpcr1(slurm_env, "submit", str(path), "--cluster", "local", "--run-dir", str(run))
     wait_for(lambda: manifest(run)["stage1_sft"]["state"] == "failed", "stage 1 to fail")
     second = manifest(run)["stage3_sft"]["job_id"]
-    wait_for(lambda: second not in subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True,
-                                                  text=True).stdout, "the dependant to leave the queue", timeout=120)
+    wait_for(
+        lambda: (
+            second
+            not in subprocess.run(
+                ["squeue", "-h", "-o", "%i"], env=slurm_env, capture_output=True, text=True
+            ).stdout
+        ),
+        "the dependant to leave the queue",
+        timeout=120,
+    )
     status = hpcr1(slurm_env, "status", str(run)).stdout
     assert "failed" in status and ("CANCELLED" in status or "DependencyNeverSatisfied" in status), status

@@ -6,6 +6,7 @@ The first step (one 16-token sequence: activations are negligible) peaks when Ad
 created: weights + gradients + optimizer states. The second (the given batch) runs with all of
 those alive and adds its activations. Prints JSON: params, states_peak_bytes, step_peak_bytes.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -40,7 +41,13 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     # A step of a minute model first, so the kernels' code is paged in before measuring.
-    train_step(*build({**fields, "vocab_size": 64, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1}), 1, 16)
+    train_step(
+        *build(
+            {**fields, "vocab_size": 64, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1}
+        ),
+        1,
+        16,
+    )
     reset_peak()
     before = status_kib("VmRSS")
     model, optimizer = build(fields)
@@ -48,8 +55,15 @@ def main() -> None:
     states_peak = status_kib("VmHWM") - before
     train_step(model, optimizer, batch, seq)
     step_peak = status_kib("VmHWM") - before
-    print(json.dumps({"params": sum(p.numel() for p in model.parameters()),
-                      "states_peak_bytes": states_peak * 1024, "step_peak_bytes": step_peak * 1024}))
+    print(
+        json.dumps(
+            {
+                "params": sum(p.numel() for p in model.parameters()),
+                "states_peak_bytes": states_peak * 1024,
+                "step_peak_bytes": step_peak * 1024,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Bad configs and bad data files: exit code 2, one message naming the field or line, and nothing
 written (the run directory is not even created)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,20 +46,40 @@ BAD_CONFIGS = {
     "wrong type: lr is a list": (_with(stage1_sft__lr=[0.1]), "stage1_sft.lr"),
     "wrong type: nproc is a float": (_with(nproc=2.5), "nproc"),
     "negative steps": (_with(stage1_sft__steps=-5), "stage1_sft.steps"),
-    "zero stage out of range": (_with(stage1_sft__parallel={"zero_stage": 5}), "stage1_sft.parallel.zero_stage"),
+    "zero stage out of range": (
+        _with(stage1_sft__parallel={"zero_stage": 5}),
+        "stage1_sft.parallel.zero_stage",
+    ),
     "tp does not divide heads": (_with(nproc=3, stage1_sft__parallel={"tp": 3}), "stage1_sft.parallel.tp"),
     "tp*pp does not divide nproc": (_with(stage1_sft__parallel={"tp": 4}), "stage1_sft.parallel"),
-    "pp does not divide layers": (_with(model__tiny__num_layers=3, stage1_sft__parallel={"pp": 2}),
-                                  "stage1_sft.parallel.pp"),
-    "batch not a multiple of micro*dp": (_with(stage1_sft__global_batch_size=48), "stage1_sft.global_batch_size"),
+    "pp does not divide layers": (
+        _with(model__tiny__num_layers=3, stage1_sft__parallel={"pp": 2}),
+        "stage1_sft.parallel.pp",
+    ),
+    "batch not a multiple of micro*dp": (
+        _with(stage1_sft__global_batch_size=48),
+        "stage1_sft.global_batch_size",
+    ),
     "kv heads do not divide heads": (_with(model__tiny__num_kv_heads=3), "model.tiny.num_kv_heads"),
     "init_from an unknown stage": (_with(stage1_sft__init_from="stage9"), "stage1_sft.init_from"),
     "data from an unknown stage": (_with(stage1_sft__data="stage3_synth"), "stage1_sft.data"),
     "min_lr above lr": (_with(stage1_sft__min_lr=1.0), "stage1_sft.min_lr"),
-    "missing data file": (_with(data={"task": "files", "sft_file": "nope.jsonl", "prompts_file": "nope.jsonl",
-                                      "eval_file": "nope.jsonl"}), "data.sft_file"),
+    "missing data file": (
+        _with(
+            data={
+                "task": "files",
+                "sft_file": "nope.jsonl",
+                "prompts_file": "nope.jsonl",
+                "eval_file": "nope.jsonl",
+            }
+        ),
+        "data.sft_file",
+    ),
     "hf model without a path": (_with(model={"source": "hf"}), "model.path"),
-    "hf model path without config.json": (_with(model={"source": "hf", "path": "/nonexistent"}), "model.path"),
+    "hf model path without config.json": (
+        _with(model={"source": "hf", "path": "/nonexistent"}),
+        "model.path",
+    ),
     "unknown model source": (_with(model={"source": "gpt2"}), "model.source"),
     "missing run name": (_with(name=_DELETE), "name"),
     "empty stage graph": (_with(stage1_sft=None), "stage1_sft"),
@@ -118,8 +139,12 @@ def test_bad_data_file_exits_2_naming_the_line(case, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(content if isinstance(content, bytes) else content.encode())
     good = tmp_path / "good.jsonl"
-    good.write_text('{"prompt": "1+1=", "answer": "2", "response": "<think>1+1=2</think><answer>2</answer>"}\n')
-    cfg = _with(data={"task": "files", "sft_file": str(bad), "prompts_file": str(good), "eval_file": str(good)})
+    good.write_text(
+        '{"prompt": "1+1=", "answer": "2", "response": "<think>1+1=2</think><answer>2</answer>"}\n'
+    )
+    cfg = _with(
+        data={"task": "files", "sft_file": str(bad), "prompts_file": str(good), "eval_file": str(good)}
+    )
     rc, err = _cli_on(tmp_path, cfg, capsys=capsys)
     assert rc == 2, err
     assert f"bad.jsonl{where}" in err or (where == "bad.jsonl" and "bad.jsonl" in err), err

@@ -1,5 +1,6 @@
 """Checkpoint integrity: retention counts only checkpoints that verify, and a write into a full
 disk (a real, small tmpfs) fails with one clear error and leaves the previous checkpoint usable."""
+
 from __future__ import annotations
 
 import subprocess
@@ -47,7 +48,9 @@ def test_digests_pin_each_sealed_checkpoint(tmp_path):
     _save(ckpts, 1, 10)
     _save(ckpts, 2, 20)
     digests = ckpts.digests()
-    assert sorted(digests) == ["step-000001", "step-000002"] and digests["step-000001"] != digests["step-000002"]
+    assert (
+        sorted(digests) == ["step-000001", "step-000002"] and digests["step-000001"] != digests["step-000002"]
+    )
 
 
 @pytest.fixture
@@ -55,8 +58,9 @@ def small_disk(tmp_path):
     """A 1 MiB tmpfs: a real file system that runs out of space."""
     mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
     yield mount

@@ -1,5 +1,6 @@
 """Analysis formulas against numbers worked out by hand: nccl-tests' bus bandwidth, the straggler
 of a matched call, overlap of async calls."""
+
 from __future__ import annotations
 
 import json
@@ -8,26 +9,41 @@ import pytest
 
 from analysis.bandwidth import bus_bandwidth
 from analysis.breakdown import StageSummary
-from launch.commbench import parse_size
 from analysis.events import load_events
 from analysis.matching import match_calls, wait_by_rank
 from analysis.overlap import overlap_fraction
+from launch.commbench import parse_size
 
 
-@pytest.mark.parametrize("op,n,expected_GBps", [
-    ("all_reduce", 8, 2 * 7 / 8 * 8.0),   # 2(n-1)/n * S/t
-    ("all_gather", 4, 3 / 4 * 8.0),       # (n-1)/n * S/t
-    ("reduce_scatter", 2, 1 / 2 * 8.0),
-    ("all_to_all", 16, 15 / 16 * 8.0),
-    ("broadcast", 8, 8.0), ("send", 2, 8.0),
-])
+@pytest.mark.parametrize(
+    "op,n,expected_GBps",
+    [
+        ("all_reduce", 8, 2 * 7 / 8 * 8.0),  # 2(n-1)/n * S/t
+        ("all_gather", 4, 3 / 4 * 8.0),  # (n-1)/n * S/t
+        ("reduce_scatter", 2, 1 / 2 * 8.0),
+        ("all_to_all", 16, 15 / 16 * 8.0),
+        ("broadcast", 8, 8.0),
+        ("send", 2, 8.0),
+    ],
+)
 def test_bus_bandwidth_follows_nccl_tests(op, n, expected_GBps):
     assert bus_bandwidth(op, 8e9, 1.0, n) / 1e9 == pytest.approx(expected_GBps)
 
 
 def ev(rank, seq, t0, t1, op="all_reduce", async_op=False, ranks=(0, 1, 2), step=1, attempt=1):
-    return {"rank": rank, "op": op, "seq": seq, "group_ranks": list(ranks), "t_start": t0, "t_end": t1,
-            "phase": "p", "step": step, "bytes": 8, "async_op": async_op, "attempt": attempt}
+    return {
+        "rank": rank,
+        "op": op,
+        "seq": seq,
+        "group_ranks": list(ranks),
+        "t_start": t0,
+        "t_end": t1,
+        "phase": "p",
+        "step": step,
+        "bytes": 8,
+        "async_op": async_op,
+        "attempt": attempt,
+    }
 
 
 def test_a_step_redone_by_a_later_attempt_counts_once_and_seq_restarts_do_not_cross_match(tmp_path):
@@ -35,19 +51,34 @@ def test_a_step_redone_by_a_later_attempt_counts_once_and_seq_restarts_do_not_cr
     # redid steps 2-3. Each attempt's seq starts at 0, so without the attempt step 1 and the redone
     # step 2 would look like one call.
     def step_call(rank, step, attempt, seq):
-        return ev(rank, seq, 10.0 * attempt + step, 10.0 * attempt + step + 0.5, ranks=(0, 1), step=step,
-                  attempt=attempt)
+        return ev(
+            rank,
+            seq,
+            10.0 * attempt + step,
+            10.0 * attempt + step + 0.5,
+            ranks=(0, 1),
+            step=step,
+            attempt=attempt,
+        )
 
     (tmp_path / "profile").mkdir()
     for rank in (0, 1):
-        calls = [step_call(rank, 1, 1, 0), step_call(rank, 2, 1, 1), step_call(rank, 2, 2, 0), step_call(rank, 3, 2, 1)]
+        calls = [
+            step_call(rank, 1, 1, 0),
+            step_call(rank, 2, 1, 1),
+            step_call(rank, 2, 2, 0),
+            step_call(rank, 3, 2, 1),
+        ]
         if rank == 0:
             calls.insert(2, step_call(rank, 3, 1, 2))  # rank 0 got into step 3 before the crash
-        (tmp_path / "profile" / f"rank-{rank:05d}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+        (tmp_path / "profile" / f"rank-{rank:05d}.jsonl").write_text(
+            "".join(json.dumps(c) + "\n" for c in calls)
+        )
 
     events = load_events(tmp_path)
     assert sorted((e["rank"], e["step"], e["attempt"]) for e in events) == [
-        (r, s, a) for r in (0, 1) for s, a in ((1, 1), (2, 2), (3, 2))]
+        (r, s, a) for r in (0, 1) for s, a in ((1, 1), (2, 2), (3, 2))
+    ]
     calls = match_calls(events)
     assert sorted((c.step, c.attempt, c.seq) for c in calls) == [(1, 1, 0), (2, 2, 0), (3, 2, 1)]
     assert all(c.transfer_s == pytest.approx(0.5) for c in calls)
@@ -90,8 +121,16 @@ def test_per_step_figures_leave_out_setup_and_the_final_evaluation():
 
     # Setup (step 0) broadcasts the weights and the evaluation of final/ (step 3) gathers results:
     # both dwarf the two training steps' 100-byte, 10 ms all-reduces.
-    events = [call(r, step, phase, nbytes, t) for r in (0, 1) for step, phase, nbytes, t in
-              ((0, "setup", 10**6, 5.0), (1, "grad_sync", 100, 0.01), (2, "grad_sync", 100, 0.01), (3, "eval", 10**5, 1.0))]
+    events = [
+        call(r, step, phase, nbytes, t)
+        for r in (0, 1)
+        for step, phase, nbytes, t in (
+            (0, "setup", 10**6, 5.0),
+            (1, "grad_sync", 100, 0.01),
+            (2, "grad_sync", 100, 0.01),
+            (3, "eval", 10**5, 1.0),
+        )
+    ]
     summary = StageSummary("stage1_sft", events, match_calls(events), {})
     assert summary.steps == 2
     assert summary.bytes_per_step() == 100

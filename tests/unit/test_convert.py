@@ -1,5 +1,6 @@
 """HF <-> megatron conversion: exact round trips for every layout, and megatron's logits equal
 Hugging Face's on the same weights (an independent implementation of the same Llama)."""
+
 from __future__ import annotations
 
 import os
@@ -17,12 +18,26 @@ from stages.models.tiny import build_tiny_llama
 from tests.conftest import free_port
 
 # GQA with every layout below valid: 8 heads, 4 KV heads, vocab and FFN divisible by 4.
-CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
-                     num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
-                     tie_word_embeddings=False, rms_norm_eps=1e-5)
+CONFIG = LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)
 # Llama 3.1's RoPE scaling, with a base large enough that the scaling changes the low frequencies.
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def random_llama(config: LlamaConfig) -> LlamaForCausalLM:
@@ -82,7 +97,9 @@ def test_sharded_save_loads_with_transformers_bit_exactly(hf_model, tmp_path):
 
 
 def test_writer_refuses_wrong_shapes_and_missing_tensors(tmp_path):
-    writer = HFDirWriter(tmp_path, [TensorSpec("a", (2, 3), torch.float32), TensorSpec("b", (4,), torch.float32)])
+    writer = HFDirWriter(
+        tmp_path, [TensorSpec("a", (2, 3), torch.float32), TensorSpec("b", (4,), torch.float32)]
+    )
     with pytest.raises(ValueError, match=r"a: got \(3, 2\)"):
         writer.write("a", torch.zeros(3, 2))
     writer.write("b", torch.zeros(4))
@@ -99,7 +116,10 @@ def test_shards_have_megatron_shapes_and_local_layer_numbers(hf_model):
     assert shard["decoder.layers.0.self_attention.linear_proj.weight"].shape == (64, 8 * d // 2)
     assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (96, 64)  # gate and up halves
     assert shard["output_layer.weight"].shape == (64, 64)
-    assert "embedding.word_embeddings.weight" not in shard and "decoder.layers.2.input_layernorm.weight" not in shard
+    assert (
+        "embedding.word_embeddings.weight" not in shard
+        and "decoder.layers.2.input_layernorm.weight" not in shard
+    )
 
 
 def test_layout_problems_name_the_dimension_that_does_not_split(hf_model):
@@ -113,9 +133,13 @@ def test_layout_problems_name_the_dimension_that_does_not_split(hf_model):
         hf_to_megatron(hf_model.state_dict(), CONFIG, tp_rank=0, tp_size=8, pp_rank=0, pp_size=1)
 
 
-@pytest.mark.parametrize("change,message", [({"tie_word_embeddings": True}, "tie_word_embeddings"),
-                                            ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
-                                                                  "factor": 4.0}}, "RoPE scaling")])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling"),
+    ],
+)
 def test_unsupported_configs_are_rejected_clearly(change, message):
     with pytest.raises(ValueError, match=message):
         transformer_config_from_hf(LlamaConfig(**{**CONFIG.to_dict(), **change}))
@@ -145,14 +169,19 @@ def test_megatron_logits_equal_hf_logits_at_non_pad_positions(tmp_path, single_r
     from stages.models.convert import load_hf_into_megatron
     from stages.models.megatron_llama import build_megatron_llama
 
-    config = CONFIG if rope is None else LlamaConfig(**{**CONFIG.to_dict(), "rope_parameters": rope,
-                                                        "max_position_embeddings": 131072})
+    config = (
+        CONFIG
+        if rope is None
+        else LlamaConfig(**{**CONFIG.to_dict(), "rope_parameters": rope, "max_position_embeddings": 131072})
+    )
     hf_model = random_llama(config)
     save_hf_dir(hf_model.state_dict(), config, tmp_path)
     model = build_megatron_llama(config).eval()
     load_hf_into_megatron(model, tmp_path)
     # Short inputs barely turn the low frequencies that Llama 3 rescales: compare them directly.
-    assert torch.allclose(model.rotary_pos_emb.inv_freq, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    assert torch.allclose(
+        model.rotary_pos_emb.inv_freq, hf_model.model.rotary_emb.inv_freq, rtol=1e-6, atol=0
+    )
     ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(1))
     lengths = [20, 13, 7]  # right padding: compare only real positions
     mask = torch.tensor([[1] * n + [0] * (20 - n) for n in lengths])
@@ -165,8 +194,16 @@ def test_megatron_logits_equal_hf_logits_at_non_pad_positions(tmp_path, single_r
 
 def test_tiny_llama_depends_only_on_its_seed(tmp_path):
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
-        build_tiny_llama(tmp_path / name, vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         ffn_hidden_size=64, seed=seed)
+        build_tiny_llama(
+            tmp_path / name,
+            vocab_size=32,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=64,
+            seed=seed,
+        )
     a, b, c = (load_file(tmp_path / name / "model.safetensors") for name in "abc")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["lm_head.weight"], c["lm_head.weight"])
@@ -180,8 +217,17 @@ def test_saved_dir_loads_with_transformers_and_generates(tmp_path):
 
     base = tmp_path / "base"
     tokenizer = build_char_tokenizer(base)
-    build_tiny_llama(base, vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=64, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    build_tiny_llama(
+        base,
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     weights = read_hf_weights(base)
     save_hf_dir(weights, AutoConfig.from_pretrained(base), tmp_path / "out", tokenizer_dir=base)
 
@@ -201,5 +247,7 @@ def test_weights_sha256_is_the_file_hash_or_covers_every_shard(hf_model, tmp_pat
     save_hf_dir(hf, CONFIG, tmp_path / "one")
     assert weights_sha256(tmp_path / "one") == file_sha256(tmp_path / "one" / "model.safetensors")
     save_hf_dir(hf, CONFIG, tmp_path / "a", max_shard_bytes=100_000)
-    save_hf_dir({**hf, "lm_head.weight": hf["lm_head.weight"] + 1}, CONFIG, tmp_path / "b", max_shard_bytes=100_000)
+    save_hf_dir(
+        {**hf, "lm_head.weight": hf["lm_head.weight"] + 1}, CONFIG, tmp_path / "b", max_shard_bytes=100_000
+    )
     assert weights_sha256(tmp_path / "a") != weights_sha256(tmp_path / "b")  # the change is in the last file

@@ -1,5 +1,6 @@
 """The data: the arithmetic task is deterministic, its splits disjoint and its chain of thought right;
 every accepted file shape loads; every malformed file is one clear DataError naming file and line."""
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def operands(example: Example) -> tuple[int, ...]:
 
 # --- the arithmetic task -------------------------------------------------------------------------
 
+
 def test_same_seed_split_and_n_give_the_same_examples():
     assert generate_arithmetic(7, 300, "train") == generate_arithmetic(7, 300, "train")
 
@@ -40,10 +42,14 @@ def test_fewer_examples_are_a_prefix_of_more():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_splits_share_no_problem(seed):
-    sets = {s: {operands(e) for e in generate_arithmetic(seed, n, s)}
-            for s, n in (("train", 3000), ("prompts", 1000), ("eval", 1000))}
+    sets = {
+        s: {operands(e) for e in generate_arithmetic(seed, n, s)}
+        for s, n in (("train", 3000), ("prompts", 1000), ("eval", 1000))
+    }
     assert [len(sets[s]) for s in SPLITS] == [3000, 1000, 1000], "problems repeat within a split"
-    assert not (sets["train"] & sets["prompts"] or sets["train"] & sets["eval"] or sets["prompts"] & sets["eval"])
+    assert not (
+        sets["train"] & sets["prompts"] or sets["train"] & sets["eval"] or sets["prompts"] & sets["eval"]
+    )
 
 
 def test_splits_of_a_small_space_partition_it_and_refuse_more_than_they_hold():
@@ -69,7 +75,10 @@ def test_prompt_is_zero_padded_operands_joined_by_plus(num_operands, digits):
 
 
 def test_worked_example_of_the_spec():
-    assert chain_of_thought((30, 8494, 5673), digits=4) == ("0+4+3+0=7 3+9+7+0=19 0+4+6+1=11 0+8+5+1=14", "14197")
+    assert chain_of_thought((30, 8494, 5673), digits=4) == (
+        "0+4+3+0=7 3+9+7+0=19 0+4+6+1=11 0+8+5+1=14",
+        "14197",
+    )
 
 
 @pytest.mark.parametrize("num_operands, digits", [(3, 4), (2, 2), (5, 7), (1, 3)])
@@ -111,12 +120,14 @@ def test_worked_fraction_outside_zero_one_is_refused(fraction):
 
 
 def test_operands_are_uniform():
-    counts = Counter(int(str(x).zfill(4)[0]) for e in generate_arithmetic(2, 3000, "train") for x in operands(e))
+    counts = Counter(
+        int(str(x).zfill(4)[0]) for e in generate_arithmetic(2, 3000, "train") for x in operands(e)
+    )
     assert set(counts) == set(range(10))
     assert all(700 < c < 1100 for c in counts.values()), counts  # 900 expected each, sd 28
 
 
-@pytest.mark.parametrize("n", [-1, 10 ** 9])
+@pytest.mark.parametrize("n", [-1, 10**9])
 def test_impossible_sizes_are_refused(n):
     with pytest.raises(ValueError):
         generate_arithmetic(0, n, "eval", num_operands=2, digits=2)
@@ -129,27 +140,59 @@ def test_unknown_split_is_refused():
 
 # --- reading the accepted shapes -----------------------------------------------------------------
 
-GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-                "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 1,072")
+GSM8K_ANSWER = (
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 1,072"
+)
 ROWS_AND_EXAMPLES = [
-    ({"prompt": "1+1=", "answer": "2", "response": "<think>1+1=2</think><answer>2</answer>", "id": "a"},
-     Example("a", "1+1=", "2", "<think>1+1=2</think><answer>2</answer>")),
+    (
+        {"prompt": "1+1=", "answer": "2", "response": "<think>1+1=2</think><answer>2</answer>", "id": "a"},
+        Example("a", "1+1=", "2", "<think>1+1=2</think><answer>2</answer>"),
+    ),
     ({"prompt": "2+2=", "answer": "4"}, Example("data:2", "2+2=", "4", None)),
-    ({"question": "How many clips?", "answer": GSM8K_ANSWER},
-     Example("data:3", "How many clips?", "1072",
-             "<think>Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May."
-             "</think><answer>1072</answer>")),
-    ({"problem": "What is 1/2 of 1?", "solution": "Half of 1 is $\\frac{1}{2}$.", "answer": "\\frac{1}{2}"},
-     Example("data:4", "What is 1/2 of 1?", "\\frac{1}{2}",
-             "<think>Half of 1 is $\\frac{1}{2}$.</think><answer>\\frac{1}{2}</answer>")),
+    (
+        {"question": "How many clips?", "answer": GSM8K_ANSWER},
+        Example(
+            "data:3",
+            "How many clips?",
+            "1072",
+            "<think>Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May."
+            "</think><answer>1072</answer>",
+        ),
+    ),
+    (
+        {
+            "problem": "What is 1/2 of 1?",
+            "solution": "Half of 1 is $\\frac{1}{2}$.",
+            "answer": "\\frac{1}{2}",
+        },
+        Example(
+            "data:4",
+            "What is 1/2 of 1?",
+            "\\frac{1}{2}",
+            "<think>Half of 1 is $\\frac{1}{2}$.</think><answer>\\frac{1}{2}</answer>",
+        ),
+    ),
     ({"problem": "What is 3*3?", "answer": "9"}, Example("data:5", "What is 3*3?", "9", None)),
-    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"},
-                   {"role": "assistant", "content": "<answer>0</answer>"}, {"role": "user", "content": "5+5="},
-                   {"role": "assistant", "content": "<think>5+5=10</think><answer>10</answer>"}]},
-     Example("data:6", "5+5=", "10", "<think>5+5=10</think><answer>10</answer>")),
-    ({"messages": [{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "It is 42."}],
-      "answer": "42"},
-     Example("data:7", "6*7=", "42", "It is 42.")),
+    (
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "<answer>0</answer>"},
+                {"role": "user", "content": "5+5="},
+                {"role": "assistant", "content": "<think>5+5=10</think><answer>10</answer>"},
+            ]
+        },
+        Example("data:6", "5+5=", "10", "<think>5+5=10</think><answer>10</answer>"),
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "6*7="}, {"role": "assistant", "content": "It is 42."}],
+            "answer": "42",
+        },
+        Example("data:7", "6*7=", "42", "It is 42."),
+    ),
     ({"prompt": "3+3=", "answer": 6, "id": 17}, Example("17", "3+3=", "6", None)),
 ]
 
@@ -199,7 +242,7 @@ def test_a_leading_byte_order_mark_is_accepted(tmp_path):
 
 
 def test_written_examples_read_back_the_same(tmp_path):
-    examples = generate_arithmetic(0, 20, "train") + [Example("p", "q \"é\" \n", "1", None)]
+    examples = generate_arithmetic(0, 20, "train") + [Example("p", 'q "é" \n', "1", None)]
     path = tmp_path / "out" / "set.jsonl"
     write_examples(path, examples)
     assert read_examples(path) == examples
@@ -238,12 +281,22 @@ BAD_JSONL = {  # name: (content, line named in the message or None, a phrase the
     "empty answer": (OK + OK + OK + '{"prompt": "2+2=", "answer": "  "}\n', 4, "'answer' is missing"),
     "no accepted shape": (OK + '{"text": "hello"}\n', 2, "{question, answer"),
     "GSM8K without a final number": ('{"question": "q", "answer": "because"}\n', 1, "####"),
-    "chat not ending with the assistant": ('{"messages": [{"role": "user", "content": "hi"}]}\n', 1,
-                                           "end with an assistant"),
-    "chat without an answer": ('{"messages": [{"role": "user", "content": "hi"}, '
-                               '{"role": "assistant", "content": "hello"}]}\n', 1, "no answer"),
-    "chat content not text": ('{"messages": [{"role": "user", "content": ["hi"]}, '
-                              '{"role": "assistant", "content": "<answer>1</answer>"}]}\n', 1, "messages"),
+    "chat not ending with the assistant": (
+        '{"messages": [{"role": "user", "content": "hi"}]}\n',
+        1,
+        "end with an assistant",
+    ),
+    "chat without an answer": (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n',
+        1,
+        "no answer",
+    ),
+    "chat content not text": (
+        '{"messages": [{"role": "user", "content": ["hi"]}, '
+        '{"role": "assistant", "content": "<answer>1</answer>"}]}\n',
+        1,
+        "messages",
+    ),
     "JSON nested too deeply": ("[" * 200_000 + "]" * 200_000 + "\n", 1, "invalid JSON"),
     "pretty-printed JSON": ('[\n  {"prompt": "1+1=", "answer": "2"}\n]\n', 1, "one object a line"),
     "line over 1 MB": (OK + '{"prompt": "' + "1" * (1 << 20) + '", "answer": "2"}\n', 2, "longer than"),
@@ -273,7 +326,9 @@ def test_no_shape_message_lists_every_accepted_shape(tmp_path):
 
 def test_malformed_parquet_names_the_file_and_row(tmp_path):
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": None}]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": None}]), path
+    )
     with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: field 'answer' is missing"):
         read_examples(path)
 

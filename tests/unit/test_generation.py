@@ -3,6 +3,7 @@ identical, per-step logits equal within fp32 tolerance, sampling that draws the 
 `generate` (top_k=0) from the same seed and follows softmax(logits / T) after top-p, eos rows
 padded with the loop stopping early, and the recorded log-probs and entropy of the drawn tokens
 those of the model's own forward over each finished sequence."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,17 +12,34 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from stages.data.tokenizer import build_char_tokenizer, encode_prompt
-from stages.generation import Decoder, TokenScores, decode, generate_responses, generate_tokens, left_padded, prefilled
+from stages.generation import (
+    Decoder,
+    TokenScores,
+    decode,
+    generate_responses,
+    generate_tokens,
+    left_padded,
+    prefilled,
+)
 from stages.models.tiny import build_tiny_llama
 
 VOCAB, PAD = 32, 0
 
 
 def random_llama(seed: int = 0, heads: int = 4, kv_heads: int = 2, rope=None, logit_scale: float = 1.0):
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, intermediate_size=96, max_position_embeddings=128,
-                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
-                         tie_word_embeddings=False, pad_token_id=PAD, initializer_range=0.1)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        pad_token_id=PAD,
+        initializer_range=0.1,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).eval()
@@ -40,9 +58,15 @@ def ragged_prompts(batch: int, seed: int = 0) -> list[list[int]]:
 
 def hf_new_tokens(model, prompt_ids, max_new_tokens, eos_id, **sampling):
     input_ids, attention = left_padded(prompt_ids, PAD)
-    out = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                         pad_token_id=PAD, eos_token_id=eos_id, **(sampling or {"do_sample": False}))
-    return out[:, input_ids.shape[1]:]
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=PAD,
+        eos_token_id=eos_id,
+        **(sampling or {"do_sample": False}),
+    )
+    return out[:, input_ids.shape[1] :]
 
 
 def our_new_tokens(model, prompt_ids, max_new_tokens, eos_id, temperature=0.0, top_p=1.0):
@@ -50,12 +74,21 @@ def our_new_tokens(model, prompt_ids, max_new_tokens, eos_id, temperature=0.0, t
     return decode(model, input_ids, attention, max_new_tokens, eos_id, PAD, temperature, top_p)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
-@pytest.mark.parametrize("heads,kv_heads,rope", [(4, 4, None), (4, 2, None), (4, 1, LLAMA3_ROPE)],
-                         ids=["mha", "gqa", "mqa-llama3-rope"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,rope",
+    [(4, 4, None), (4, 2, None), (4, 1, LLAMA3_ROPE)],
+    ids=["mha", "gqa", "mqa-llama3-rope"],
+)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_tokens_equal_hf_generate(heads, kv_heads, rope, batch):
     model = random_llama(heads=heads, kv_heads=kv_heads, rope=rope)
@@ -69,8 +102,12 @@ def tiny(tmp_path_factory):
     """The embedded default's model shape and tokenizer, freshly initialised."""
     out = tmp_path_factory.mktemp("tiny")
     tokenizer = build_char_tokenizer(out)
-    build_tiny_llama(out, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                     eos_token_id=tokenizer.eos_token_id)
+    build_tiny_llama(
+        out,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), tokenizer
 
 
@@ -86,7 +123,9 @@ def test_tiny_model_greedy_equals_hf_generate_on_ragged_prompts(tiny, batch):
 
 # bf16: HF's attention rounds in other places than ours (max error ~0.03 on logits of mean size
 # ~0.7); a norm that lost its weight is off by ~3.6, one scaling in fp32 by ~0.07.
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"]
+)
 def test_step_logits_match_hf_forward(dtype, tolerance):
     """Teacher-forced through the decoder's prefill and cached steps, the logits of every step equal
     those of one HF forward over the whole padded sequence, in the model's dtype."""
@@ -97,8 +136,11 @@ def test_step_logits_match_hf_forward(dtype, tolerance):
     full_mask = torch.cat([attention, torch.ones_like(continuation)], dim=1)
     positions = (full_mask.cumsum(dim=1) - 1).clamp(min=0)
     with torch.no_grad():
-        reference = model(input_ids=torch.cat([input_ids, continuation], dim=1), attention_mask=full_mask,
-                          position_ids=positions).logits[:, input_ids.shape[1] - 1:-1]
+        reference = model(
+            input_ids=torch.cat([input_ids, continuation], dim=1),
+            attention_mask=full_mask,
+            position_ids=positions,
+        ).logits[:, input_ids.shape[1] - 1 : -1]
 
     decoder = Decoder(model, input_ids, attention, max_new_tokens=10)
     with torch.no_grad():
@@ -116,7 +158,9 @@ def test_sampling_draws_what_hf_generate_draws_from_the_same_seed(temperature, t
     torch.manual_seed(11)
     again = our_new_tokens(model, prompts, 30, VOCAB + 1, temperature, top_p)
     torch.manual_seed(11)
-    hf = hf_new_tokens(model, prompts, 30, VOCAB + 1, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    hf = hf_new_tokens(
+        model, prompts, 30, VOCAB + 1, do_sample=True, temperature=temperature, top_p=top_p, top_k=0
+    )
     assert torch.equal(ours, again)
     assert torch.equal(ours, hf)
 
@@ -128,7 +172,9 @@ def test_grouped_prompts_are_prefilled_once_and_draw_what_generate_draws(monkeyp
     prompts = [p for p in ragged_prompts(3, seed=5) for _ in range(4)]
     prefill_rows = []
     original = Decoder.prefill
-    monkeypatch.setattr(Decoder, "prefill", lambda self: prefill_rows.append(len(self.input_ids)) or original(self))
+    monkeypatch.setattr(
+        Decoder, "prefill", lambda self: prefill_rows.append(len(self.input_ids)) or original(self)
+    )
     torch.manual_seed(2)
     ours = our_new_tokens(model, prompts, 30, VOCAB + 1, temperature=0.7)
     torch.manual_seed(2)
@@ -171,8 +217,11 @@ def test_rows_that_end_early_are_padded_and_the_loop_stops():
     prompts = ragged_prompts(3, seed=5)
     free_run = our_new_tokens(model, prompts, 24, eos_id=VOCAB + 1)
     # eos: the token that every row emits soonest (its latest first appearance is the earliest)
-    first_seen = {tok: max((row == tok).nonzero()[0].item() for row in free_run)
-                  for tok in range(VOCAB) if all((row == tok).any() for row in free_run)}
+    first_seen = {
+        tok: max((row == tok).nonzero()[0].item() for row in free_run)
+        for tok in range(VOCAB)
+        if all((row == tok).any() for row in free_run)
+    }
     assert first_seen, "no token common to all rows: pick other prompts"
     eos = min(first_seen, key=first_seen.get)
     assert first_seen[eos] < 23, "eos would only come at the last step: pick other prompts"
@@ -181,15 +230,16 @@ def test_rows_that_end_early_are_padded_and_the_loop_stops():
     assert ours.shape[1] == first_seen[eos] + 1  # stopped once the last row ended
     for row, free in zip(ours, free_run):
         end = (row == eos).nonzero()[0].item()
-        assert torch.equal(row[:end + 1], free[:end + 1])
-        assert (row[end + 1:] == PAD).all()
+        assert torch.equal(row[: end + 1], free[: end + 1])
+        assert (row[end + 1 :] == PAD).all()
 
 
 def test_generate_responses_decodes_only_new_tokens(tiny):
     model, tokenizer = tiny
     responses = generate_responses(model, tokenizer, ["12+34=", "5+6="], 5)
-    expected = hf_new_tokens(model, [encode_prompt(tokenizer, p) for p in ("12+34=", "5+6=")], 5,
-                             tokenizer.eos_token_id)
+    expected = hf_new_tokens(
+        model, [encode_prompt(tokenizer, p) for p in ("12+34=", "5+6=")], 5, tokenizer.eos_token_id
+    )
     assert responses == tokenizer.batch_decode(expected, skip_special_tokens=True)
 
 
@@ -204,6 +254,7 @@ def test_sampled_rows_that_end_leave_the_batch_and_the_others_still_draw_what_ge
     prompts = ragged_prompts(16, seed=7)
     torch.manual_seed(5)
     free_run = our_new_tokens(model, prompts, 40, VOCAB + 1, temperature=1.0)
+
     # The RNG is consumed alike whatever eos is, so the free run shows where each row would end:
     # take the token that most rows draw within 20 steps.
     def first_step(row, tok):
@@ -212,10 +263,14 @@ def test_sampled_rows_that_end_leave_the_batch_and_the_others_still_draw_what_ge
 
     ends = {tok: sorted(first_step(row, tok) for row in free_run) for tok in range(1, VOCAB)}
     eos = max(ends, key=lambda tok: sum(step < 20 for step in ends[tok]))
-    assert ends[eos][8] < 20 and ends[eos][-1] > ends[eos][8] + 3, "half the rows must end well before the rest"
+    assert ends[eos][8] < 20 and ends[eos][-1] > ends[eos][8] + 3, (
+        "half the rows must end well before the rest"
+    )
     kept_sizes = []
     keep = Decoder.keep
-    monkeypatch.setattr(Decoder, "keep", lambda self, rows: (kept_sizes.append(len(rows)), keep(self, rows))[1])
+    monkeypatch.setattr(
+        Decoder, "keep", lambda self, rows: (kept_sizes.append(len(rows)), keep(self, rows))[1]
+    )
     torch.manual_seed(5)
     ours = our_new_tokens(model, prompts, 40, eos, temperature=1.0)
     torch.manual_seed(5)
@@ -242,11 +297,14 @@ def test_recorded_log_probs_and_entropy_are_the_forward_pass_values_of_each_fini
         length = end[0].item() + 1 if len(end) else tokens.shape[1]
         response = tokens[row, :length]
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + response.tolist()])).logits[0, len(prompt) - 1 : -1]
         log_p = (logits / temperature).log_softmax(-1)
-        torch.testing.assert_close(scores.log_probs[row, :length], log_p.gather(1, response[:, None])[:, 0],
-                                   rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(scores.entropy[row, :length], -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            scores.log_probs[row, :length], log_p.gather(1, response[:, None])[:, 0], rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            scores.entropy[row, :length], -(log_p.exp() * log_p).sum(-1), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_recording_log_probs_of_greedy_decoding_is_refused():

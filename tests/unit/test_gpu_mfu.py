@@ -1,5 +1,6 @@
 """bench/gpu_mfu.py where there is no GPU: it says it needs CUDA and exits 1 (after checking its
 arguments: a bad one exits 2); its FLOP count agrees with the parameters of the real HF model."""
+
 from __future__ import annotations
 
 import subprocess
@@ -34,8 +35,9 @@ def test_a_missing_model_config_exits_2_naming_the_flag(tmp_path):
 
 def test_flops_per_token_count_the_hf_models_matmul_parameters():
     sys.path.insert(0, str(REPO / "bench"))
-    from analysis.model_shape import shape_from_hf_config
     from gpu_mfu import flops_per_token
+
+    from analysis.model_shape import shape_from_hf_config
 
     config = AutoConfig.from_pretrained(LLAMA_8B.parent)
     config.num_hidden_layers = 2

@@ -1,6 +1,7 @@
 """GRPO's wiring checked against hand computations on toy batches (not against verl's code path):
 group-normalised advantages, the clipped surrogate, the KL term, and which tokens count — never
 the prompt, never the padding before a prompt or after a response's eos."""
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from verl.protocol import DataProto
 
-from stages.grpo.balance import padded_to
 from stages.grpo import logprobs
+from stages.grpo.balance import padded_to
 from stages.grpo.logprobs import micro_batches, response_log_probs, split_to, token_log_probs
 from stages.grpo.losses import actor_loss, grpo_advantages, policy_loss_config
 from stages.grpo.prompts import rank_share
@@ -32,9 +33,15 @@ def toy_batch() -> DataProto:
     rewards[0, 2], rewards[1, 1], rewards[2, 2], rewards[3, 2] = 1.1, 0.1, 0.0, 1.0
     old = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, 50.0], [-0.7, -0.7, -0.7], [-2.0, -0.1, -1.0]])
     ref = torch.tensor([[-1.1, -0.4, -2.0], [-0.3, -1.0, -50.0], [-0.9, -0.6, -0.8], [-1.5, -0.1, -1.2]])
-    return DataProto.from_dict(tensors={"response_mask": mask, "token_level_rewards": rewards,
-                                        "old_log_probs": old, "ref_log_probs": ref},
-                               non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    return DataProto.from_dict(
+        tensors={
+            "response_mask": mask,
+            "token_level_rewards": rewards,
+            "old_log_probs": old,
+            "ref_log_probs": ref,
+        },
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)},
+    )
 
 
 def hand_advantages() -> list[float]:
@@ -78,11 +85,14 @@ def test_clipped_loss_and_kl_match_hand_computation_and_ignore_masked_tokens():
     batch = toy_batch()
     batch = batch.union(grpo_advantages(batch))
     # Ratios inside and outside the clip range, for positive and negative advantages.
-    log_prob = batch.batch["old_log_probs"] + torch.tensor([[0.5, -0.05, 0.0], [0.3, -0.4, 9.0],
-                                                              [-0.5, 0.1, 0.05], [0.25, -0.3, 0.0]])
+    log_prob = batch.batch["old_log_probs"] + torch.tensor(
+        [[0.5, -0.05, 0.0], [0.3, -0.4, 9.0], [-0.5, 0.1, 0.05], [0.25, -0.3, 0.0]]
+    )
     log_prob.requires_grad_(True)
     tokens = int(batch.batch["response_mask"].sum())
-    loss, stats = actor_loss(log_prob, batch, policy_loss_config(CLIP, 2), KL_COEF, "low_var_kl", tokens, world=1)
+    loss, stats = actor_loss(
+        log_prob, batch, policy_loss_config(CLIP, 2), KL_COEF, "low_var_kl", tokens, world=1
+    )
     expected_loss, expected_kl, expected_clip = hand_loss(log_prob.detach(), batch)
     assert loss.item() == pytest.approx(expected_loss, abs=1e-5)
     assert stats["kl"].item() == pytest.approx(expected_kl, abs=1e-5)
@@ -101,8 +111,10 @@ def test_rank_share_of_loss_sums_to_the_one_rank_loss():
     config = policy_loss_config(CLIP, 2)
     tokens = int(batch.batch["response_mask"].sum())
     whole, _ = actor_loss(log_prob, batch, config, KL_COEF, "low_var_kl", tokens, world=1)
-    halves = [actor_loss(log_prob[i:i + 2], part, config, KL_COEF, "low_var_kl", tokens, world=2)[0]
-              for i, part in zip((0, 2), batch.chunk(2))]
+    halves = [
+        actor_loss(log_prob[i : i + 2], part, config, KL_COEF, "low_var_kl", tokens, world=2)[0]
+        for i, part in zip((0, 2), batch.chunk(2))
+    ]
     assert (halves[0] + halves[1]).item() / 2 == pytest.approx(whole.item(), abs=1e-6)
 
 
@@ -121,21 +133,32 @@ def test_batched_log_probs_equal_unpadded_single_sequence_log_probs():
     """The one batched forward (left-padded prompts, responses padded after eos) gives each response
     token the log-probability a forward over that sequence alone, without any padding, gives."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
-                                         eos_token_id=EOS, bos_token_id=None)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            bos_token_id=None,
+        )
+    ).eval()
     prompts, answers = [[5, 6], [7, 8, 9, 10]], [[11, EOS], [12, 13, 14]]
     width = max(map(len, prompts))
     prompt = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
     responses = torch.tensor([a + [PAD] * (3 - len(a)) for a in answers])
-    batch = DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
-                                meta_info={"temperature": 1.0})
+    batch = DataProto.from_dict(
+        tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS), meta_info={"temperature": 1.0}
+    )
     with torch.no_grad():
         batched, _ = response_log_probs(model, batch)
         for row, (p, a) in enumerate(zip(prompts, answers)):
             logits = model(torch.tensor([p + a])).logits[0].log_softmax(-1)
             alone = [logits[len(p) - 1 + i, tok].item() for i, tok in enumerate(a)]
-            assert batched[row, :len(a)].tolist() == pytest.approx(alone, abs=1e-5)
+            assert batched[row, : len(a)].tolist() == pytest.approx(alone, abs=1e-5)
 
 
 @pytest.mark.parametrize("chunk_rows", [1, 2, 5])
@@ -156,10 +179,15 @@ def test_token_log_probs_in_chunks_equal_log_softmax_and_its_gradient(monkeypatc
 
 
 def test_reward_sits_on_the_last_response_token():
-    batch = DataProto.from_dict(tensors={"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])},
-                                non_tensors={"response_text": np.array(["<think>1+1=2</think><answer>2</answer>",
-                                                                        "<answer>3</answer>"], dtype=object),
-                                             "answer": np.array(["2", "2"], dtype=object)})
+    batch = DataProto.from_dict(
+        tensors={"response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])},
+        non_tensors={
+            "response_text": np.array(
+                ["<think>1+1=2</think><answer>2</answer>", "<answer>3</answer>"], dtype=object
+            ),
+            "answer": np.array(["2", "2"], dtype=object),
+        },
+    )
     out = RuleReward(format_weight=0.1)(batch)
     assert out.batch["token_level_rewards"].flatten().tolist() == pytest.approx([0, 1.1, 0, 0, 0, 0])
     assert out.non_tensor_batch["correct"].tolist() == [True, False]
@@ -170,21 +198,41 @@ def test_mini_batch_m_holds_the_same_prompts_on_one_rank_and_on_two():
     one = rank_share(global_batch, 0, 1, mini_batches=2)
     two = [rank_share(global_batch, r, 2, mini_batches=2) for r in range(2)]
     for m in range(2):
-        assert sorted(one[m * 4:(m + 1) * 4]) == sorted(two[0][m * 2:(m + 1) * 2] + two[1][m * 2:(m + 1) * 2])
+        assert sorted(one[m * 4 : (m + 1) * 4]) == sorted(
+            two[0][m * 2 : (m + 1) * 2] + two[1][m * 2 : (m + 1) * 2]
+        )
 
 
 def test_length_sorted_micro_batches_give_the_one_forward_log_probs_and_entropy():
     """Forwarding rows in length-sorted micro-batches, each cut at its longest response, gives every
     response token the log-prob and entropy of one forward over the whole padded batch."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
-                                         eos_token_id=EOS, bos_token_id=None)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            bos_token_id=None,
+        )
+    ).eval()
     prompt = torch.tensor([[PAD, 5, 6], [7, 8, 9], [PAD, PAD, 4], [3, 2, 5], [PAD, 6, 6]])
-    responses = torch.tensor([[11, EOS, PAD, PAD, PAD], [12, 13, 14, 15, 9], [EOS, PAD, PAD, PAD, PAD],
-                              [4, 4, EOS, PAD, PAD], [7, 8, 9, EOS, PAD]])
-    batch = DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
-                                meta_info={"temperature": 0.7})
+    responses = torch.tensor(
+        [
+            [11, EOS, PAD, PAD, PAD],
+            [12, 13, 14, 15, 9],
+            [EOS, PAD, PAD, PAD, PAD],
+            [4, 4, EOS, PAD, PAD],
+            [7, 8, 9, EOS, PAD],
+        ]
+    )
+    batch = DataProto.from_dict(
+        tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS), meta_info={"temperature": 0.7}
+    )
     mask = batch.batch["response_mask"].bool()
     with torch.no_grad():
         whole, whole_entropy = response_log_probs(model, batch, with_entropy=True)
@@ -196,9 +244,19 @@ def test_length_sorted_micro_batches_give_the_one_forward_log_probs_and_entropy(
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, intermediate_size=64, pad_token_id=PAD,
-                                        eos_token_id=EOS, bos_token_id=None))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+            bos_token_id=None,
+        )
+    )
 
 
 def grouped_batch(prompts: list[list[int]], group_size: int) -> DataProto:
@@ -207,22 +265,27 @@ def grouped_batch(prompts: list[list[int]], group_size: int) -> DataProto:
     g = torch.Generator().manual_seed(7)
     width, rows, response_width = max(map(len, prompts)), len(prompts) * group_size, 6
     order = torch.randperm(rows, generator=g)
-    prompt = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts]).repeat_interleave(group_size, dim=0)[order]
+    prompt = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts]).repeat_interleave(
+        group_size, dim=0
+    )[order]
     responses = torch.randint(2, 16, (rows, response_width), generator=g)
     for row, end in enumerate(torch.randint(0, response_width + 1, (rows,), generator=g).tolist()):
-        responses[row, end:end + 1] = EOS
-        responses[row, end + 1:] = PAD
-    return DataProto.from_dict(tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS),
-                               meta_info={"temperature": 0.7})
+        responses[row, end : end + 1] = EOS
+        responses[row, end + 1 :] = PAD
+    return DataProto.from_dict(
+        tensors=sequences(prompt, (prompt != PAD).long(), responses, EOS), meta_info={"temperature": 0.7}
+    )
 
 
 def full_forward_log_probs(model, batch: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: one plain forward over every whole prompt+response row; the log-probs of the
     response tokens under the tempered logits of the positions before them, and their entropy."""
     t = batch.batch
-    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]).logits
+    logits = model(
+        input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]
+    ).logits
     start = t["prompts"].shape[1]
-    log_p = (logits[:, start - 1:-1] / batch.meta_info["temperature"]).log_softmax(dim=-1)
+    log_p = (logits[:, start - 1 : -1] / batch.meta_info["temperature"]).log_softmax(dim=-1)
     return log_p.gather(-1, t["responses"][..., None])[..., 0], -(log_p.exp() * log_p).sum(dim=-1)
 
 
@@ -236,15 +299,17 @@ def weighted_sum_gradients(model, log_probs: torch.Tensor, weights: torch.Tensor
 @pytest.mark.parametrize("group_size", [3, 1])  # 1: no two prompts are equal
 @pytest.mark.parametrize("share_prompts", [True, False])
 @pytest.mark.parametrize("micro_batch_size", [None, 1, 3, 5])
-def test_log_probs_and_entropy_equal_the_full_forward_with_prompts_shared_or_not(micro_batch_size, share_prompts,
-                                                                                   group_size):
+def test_log_probs_and_entropy_equal_the_full_forward_with_prompts_shared_or_not(
+    micro_batch_size, share_prompts, group_size
+):
     model = tiny_llama().eval()
     batch = grouped_batch(PROMPTS, group_size)
     mask = batch.batch["response_mask"].bool()
     with torch.no_grad():
         expected, expected_entropy = full_forward_log_probs(model, batch)
-        log_probs, entropy = response_log_probs(model, batch, with_entropy=True, micro_batch_size=micro_batch_size,
-                                                share_prompts=share_prompts)
+        log_probs, entropy = response_log_probs(
+            model, batch, with_entropy=True, micro_batch_size=micro_batch_size, share_prompts=share_prompts
+        )
     assert torch.allclose(log_probs[mask], expected[mask], atol=1e-5)
     assert torch.allclose(entropy[mask], expected_entropy[mask], atol=1e-5)
 
@@ -258,8 +323,9 @@ def test_gradients_through_shared_prompts_equal_the_full_forward_gradients(micro
     weights = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(3))
     weights *= batch.batch["response_mask"]  # past a response's end the two ways need not agree
     expected = weighted_sum_gradients(model, full_forward_log_probs(model, batch)[0], weights)
-    actual = weighted_sum_gradients(model, response_log_probs(model, batch, micro_batch_size=micro_batch_size)[0],
-                                    weights)
+    actual = weighted_sum_gradients(
+        model, response_log_probs(model, batch, micro_batch_size=micro_batch_size)[0], weights
+    )
     for (name, _), grad, expected_grad in zip(model.named_parameters(), actual, expected):
         assert torch.allclose(grad, expected_grad, rtol=1e-4, atol=1e-6), name
 
@@ -267,7 +333,9 @@ def test_gradients_through_shared_prompts_equal_the_full_forward_gradients(micro
 def test_each_distinct_prompt_is_forwarded_once():
     model = tiny_llama()
     forwarded = []
-    model.model.embed_tokens.register_forward_hook(lambda module, args, out: forwarded.append(tuple(args[0].shape)))
+    model.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: forwarded.append(tuple(args[0].shape))
+    )
     with torch.no_grad():
         response_log_probs(model, grouped_batch(PROMPTS, group_size=3), micro_batch_size=5)
     prompt_width, response_width = max(map(len, PROMPTS)), 6
@@ -285,7 +353,9 @@ def test_rows_padded_for_the_move_between_ranks_keep_their_log_probs(share_promp
     padded = padded_to(batch, batch.batch["prompts"].shape[1] + 3, width + 4)
     with torch.no_grad():
         log_probs, entropy = response_log_probs(model, batch, with_entropy=True, share_prompts=share_prompts)
-        wider, wider_entropy = response_log_probs(model, padded, with_entropy=True, share_prompts=share_prompts)
+        wider, wider_entropy = response_log_probs(
+            model, padded, with_entropy=True, share_prompts=share_prompts
+        )
     mask = batch.batch["response_mask"].bool()
     assert torch.allclose(wider[:, :width][mask], log_probs[mask], atol=1e-5)
     assert torch.allclose(wider_entropy[:, :width][mask], entropy[mask], atol=1e-5)

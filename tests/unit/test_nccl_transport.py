@@ -1,5 +1,6 @@
 """The transport check reads NCCL's own INFO lines: it names sockets, IB and OFI, tells intra-node
 P2P/SHM from inter-node NET channels, and warns only when inter-node traffic used sockets."""
+
 from __future__ import annotations
 
 from pathlib import Path

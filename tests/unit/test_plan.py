@@ -1,5 +1,6 @@
 """`hpcr1 plan`: the Llama 3.x shapes, the memory arithmetic against hand-computed numbers, the
 70B verdicts against an independent search, the example configs' layouts, JSON shape, bad input."""
+
 import json
 
 import pytest
@@ -12,8 +13,12 @@ from tests.conftest import REPO
 
 MODELS = REPO / "configs" / "models"
 # Parameter counts published with the models (Hugging Face model cards / safetensors index).
-PUBLISHED = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
-             "llama-3.3-70b": 70_553_706_496}
+PUBLISHED = {
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.3-70b": 70_553_706_496,
+}
 P_8B = PUBLISHED["llama-3.1-8b"]
 
 
@@ -28,11 +33,19 @@ def test_llama3_config_json_gives_the_published_parameter_count(name):
 
 
 def test_llama3_rope_scaling_and_tied_embeddings_are_read():
-    small, big = shape_from_hf_config(MODELS / "llama-3.2-1b/config.json"), shape_from_hf_config(MODELS / "llama-3.1-8b/config.json")
+    small, big = (
+        shape_from_hf_config(MODELS / "llama-3.2-1b/config.json"),
+        shape_from_hf_config(MODELS / "llama-3.1-8b/config.json"),
+    )
     assert small.tied_embeddings and not big.tied_embeddings
     assert big.rope_theta == 500000.0
-    assert big.rope_scaling == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    assert big.rope_scaling == {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    }
     assert (small.head_dim, big.head_dim) == (64, 128)
 
 
@@ -41,8 +54,15 @@ def test_8b_bf16_weights_are_16_06_gb():
     assert round(weights.bytes / 1e9, 2) == 16.06
 
 
-@pytest.mark.parametrize("zero, sharded", [(0, set()), (1, {"optimizer"}), (2, {"optimizer", "gradients"}),
-                                           (3, {"optimizer", "gradients", "weights"})])
+@pytest.mark.parametrize(
+    "zero, sharded",
+    [
+        (0, set()),
+        (1, {"optimizer"}),
+        (2, {"optimizer", "gradients"}),
+        (3, {"optimizer", "gradients", "weights"}),
+    ],
+)
 def test_zero_stage_divides_exactly_its_states_by_dp(zero, sharded):
     dp = 8
     full = {"weights": 2 * P_8B, "gradients": 2 * P_8B, "optimizer": 12 * P_8B}  # bf16, bf16, fp32 master+m+v
@@ -65,20 +85,37 @@ def independent_70b_sft_min_gpus(gpu_gib: float, counts: list[int]) -> int | Non
 
 def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_says(capsys, tmp_path):
     counts = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    plan = plan_json(capsys, tmp_path, str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"), "--gpus", ",".join(map(str, counts)),
-                     "--gpu-memory-gib", "80", "model.path=models/llama-3.3-70b")
+    plan = plan_json(
+        capsys,
+        tmp_path,
+        str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"),
+        "--gpus",
+        ",".join(map(str, counts)),
+        "--gpu-memory-gib",
+        "80",
+        "model.path=models/llama-3.3-70b",
+    )
     sft = plan["stages"]["stage1_sft"]
     assert sft["verdicts"]["1"] == NO_FIT
     expected = independent_70b_sft_min_gpus(80, counts)
     assert expected is not None and sft["min_gpus"] == expected
 
 
-@pytest.mark.parametrize("config, args", [
-    (str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"), ["--gpu-memory-gib", "80", "model.path=models/llama-3.3-70b"]),
-    (str(REPO / "configs/llama-3.1-8b.yaml"), ["model.path=models/llama-3.1-8b"])])
+@pytest.mark.parametrize(
+    "config, args",
+    [
+        (
+            str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"),
+            ["--gpu-memory-gib", "80", "model.path=models/llama-3.3-70b"],
+        ),
+        (str(REPO / "configs/llama-3.1-8b.yaml"), ["model.path=models/llama-3.1-8b"]),
+    ],
+)
 def test_example_configs_layouts_fit_at_their_nproc(capsys, tmp_path, config, args):
     plan = plan_json(capsys, tmp_path, config, "--gpus", "16", *args)
-    assert {sid: s["at_nproc"]["verdict"] for sid, s in plan["stages"].items()} == dict.fromkeys(plan["stages"], "fits")
+    assert {sid: s["at_nproc"]["verdict"] for sid, s in plan["stages"].items()} == dict.fromkeys(
+        plan["stages"], "fits"
+    )
 
 
 def test_json_gives_per_stage_verdicts_min_gpus_and_formulas(capsys, tmp_path):
@@ -93,10 +130,17 @@ def test_json_gives_per_stage_verdicts_min_gpus_and_formulas(capsys, tmp_path):
     assert (tmp_path / "plan.md").read_text().startswith("# Memory plan: tiny-cpu")
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--gpus", "1,x"], "--gpus"), (["--gpus", "0,4"], "--gpus"), (["--gpus", ""], "--gpus"),
-    (["--cluster", "nowhere"], "--cluster"), (["--cluster", "local"], "--cluster"),
-    (["--prompt-tokens", "0"], "--prompt-tokens")])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--gpus", "1,x"], "--gpus"),
+        (["--gpus", "0,4"], "--gpus"),
+        (["--gpus", ""], "--gpus"),
+        (["--cluster", "nowhere"], "--cluster"),
+        (["--cluster", "local"], "--cluster"),
+        (["--prompt-tokens", "0"], "--prompt-tokens"),
+    ],
+)
 def test_bad_plan_input_exits_2_naming_the_field(capsys, tmp_path, args, field):
     assert main(["plan", str(REPO / "configs/tiny-cpu.yaml"), *args, "--out", str(tmp_path / "p.md")]) == 2
     err = capsys.readouterr().err
@@ -117,18 +161,31 @@ def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference(
     n = 8
 
     def gpu_terms(reshard: bool) -> dict[str, float]:
-        footprint = grpo_footprint(shape, GRPOStage(reshard_after_forward=reshard), Layout(gpus=n, tp=1, zero=3),
-                                   prompt_tokens=512, gpus_per_node=4, runtime_per_rank=0.0)
+        footprint = grpo_footprint(
+            shape,
+            GRPOStage(reshard_after_forward=reshard),
+            Layout(gpus=n, tp=1, zero=3),
+            prompt_tokens=512,
+            gpus_per_node=4,
+            runtime_per_rank=0.0,
+        )
         return {t.name: t.bytes for t in footprint.gpu}
 
     resharding, keeping = gpu_terms(True), gpu_terms(False)
-    one_unit = grpo_footprint(shape, GRPOStage(fsdp_units="model"), Layout(gpus=n, tp=1, zero=3), prompt_tokens=512,
-                              gpus_per_node=4, runtime_per_rank=0.0)
+    one_unit = grpo_footprint(
+        shape,
+        GRPOStage(fsdp_units="model"),
+        Layout(gpus=n, tp=1, zero=3),
+        prompt_tokens=512,
+        gpus_per_node=4,
+        runtime_per_rank=0.0,
+    )
     assert {t.name: t.bytes for t in one_unit.gpu}["actor_gathered"] == 2 * P_8B  # the whole model per pass
     assert keeping["reference_weights"] == 2 * P_8B == n * resharding["reference_weights"]
     assert keeping["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
-    assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == \
-        {k: v for k, v in resharding.items() if k not in ("reference_weights", "actor_gathered")}
+    assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == {
+        k: v for k, v in resharding.items() if k not in ("reference_weights", "actor_gathered")
+    }
 
 
 def test_ddp_counts_the_whole_actor_and_reference_on_every_rank():
@@ -138,13 +195,23 @@ def test_ddp_counts_the_whole_actor_and_reference_on_every_rank():
     shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
 
     def gpu_terms(**stage) -> dict[str, float]:
-        footprint = grpo_footprint(shape, GRPOStage(**stage), Layout(gpus=8, tp=1, zero=3), prompt_tokens=512,
-                                   gpus_per_node=4, runtime_per_rank=0.0)
+        footprint = grpo_footprint(
+            shape,
+            GRPOStage(**stage),
+            Layout(gpus=8, tp=1, zero=3),
+            prompt_tokens=512,
+            gpus_per_node=4,
+            runtime_per_rank=0.0,
+        )
         return {t.name: t.bytes for t in footprint.gpu}
 
     ddp, fsdp2 = gpu_terms(data_parallel="ddp"), gpu_terms()
     # fp32 weights and gradients and Adam's two fp32 moments, none of them divided over the 8 ranks
-    assert (ddp["actor_weights"], ddp["actor_gradients"], ddp["actor_optimizer"]) == (4 * P_8B, 4 * P_8B, 8 * P_8B)
+    assert (ddp["actor_weights"], ddp["actor_gradients"], ddp["actor_optimizer"]) == (
+        4 * P_8B,
+        4 * P_8B,
+        8 * P_8B,
+    )
     assert ddp["actor_optimizer"] == 8 * fsdp2["actor_optimizer"]
     assert ddp["reference_weights"] == 2 * P_8B and ddp["actor_gathered"] == 0
     # verl's trainer shards whatever the native engine's setting

@@ -1,14 +1,22 @@
 """Which rank failed first, from what the ranks and torchrun leave in logs/, in the orders of events
 that the 2-rank tests (tests/dist/test_rank_failure.py) cannot force: two ranks ending within one
 torchrun poll, and a survivor that outlives torchrun's SIGTERM."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from runtime.rank_failure import (FAIL_AT_ENV, TORCHRUN_FAILURES, InjectedFailure, fail_if_asked, forget_failures,
-                                 record_path, stage_error)
+from runtime.rank_failure import (
+    FAIL_AT_ENV,
+    TORCHRUN_FAILURES,
+    InjectedFailure,
+    fail_if_asked,
+    forget_failures,
+    record_path,
+    stage_error,
+)
 
 
 def write_logs(log_dir, exits: list[tuple[int, int, str | None, int]], raised: dict[int, tuple[float, str]]):
@@ -23,15 +31,20 @@ def write_logs(log_dir, exits: list[tuple[int, int, str | None, int]], raised: d
 
 
 def test_killed_rank_is_first_though_its_survivor_ended_in_the_same_poll(tmp_path):
-    write_logs(tmp_path, [(0, 1, None, 100), (1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
+    write_logs(
+        tmp_path, [(0, 1, None, 100), (1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")}
+    )
     error = stage_error(tmp_path, 1)
     assert (error["rank"], error["signal"], error["exception"]) == (1, "SIGKILL", None)
     assert error["others"] == {"0": "RuntimeError: Connection closed by peer"}
 
 
 def test_earliest_exception_is_first_though_torchrun_saw_its_rank_end_later(tmp_path):
-    write_logs(tmp_path, [(0, 1, None, 100), (1, 1, None, 100)],
-               {0: (100.3, "Connection closed by peer"), 1: (100.01, "out of memory")})
+    write_logs(
+        tmp_path,
+        [(0, 1, None, 100), (1, 1, None, 100)],
+        {0: (100.3, "Connection closed by peer"), 1: (100.01, "out of memory")},
+    )
     error = stage_error(tmp_path, 1)
     assert (error["rank"], error["message"]) == (1, "out of memory")
 
@@ -49,7 +62,9 @@ def test_rank_stopped_by_torchruns_sigterm_is_a_bystander(tmp_path):
 
 def test_no_record_from_any_rank_says_so(tmp_path):
     error = stage_error(tmp_path, 1)
-    assert error["rank"] is None and error["summary"].startswith("ranks exited with code 1; no rank recorded why")
+    assert error["rank"] is None and error["summary"].startswith(
+        "ranks exited with code 1; no rank recorded why"
+    )
 
 
 def test_an_earlier_attempts_records_are_forgotten(tmp_path):

@@ -1,5 +1,6 @@
 """The readiness check of a verl job's Ray cluster, against a real Ray head started here: it sees
 the node join, and when nodes are missing it fails at its deadline saying how many joined."""
+
 from __future__ import annotations
 
 import os
@@ -15,16 +16,18 @@ import pytest
 import yaml
 
 from core.cluster import RayPorts, load_profile
+from core.config import ConfigError
 from launch.local import free_port
 from launch.ray_cluster import gpu_nodes, wait_for_nodes
-from core.config import ConfigError
 
 
 def test_only_live_nodes_with_enough_gpus_count():
-    nodes = [{"NodeManagerAddress": "a", "Alive": True, "Resources": {"GPU": 4.0}},
-             {"NodeManagerAddress": "b", "Alive": False, "Resources": {"GPU": 4.0}},
-             {"NodeManagerAddress": "c", "Alive": True, "Resources": {"GPU": 2.0}},
-             {"NodeManagerAddress": "d", "Alive": True, "Resources": {"CPU": 8.0}}]
+    nodes = [
+        {"NodeManagerAddress": "a", "Alive": True, "Resources": {"GPU": 4.0}},
+        {"NodeManagerAddress": "b", "Alive": False, "Resources": {"GPU": 4.0}},
+        {"NodeManagerAddress": "c", "Alive": True, "Resources": {"GPU": 2.0}},
+        {"NodeManagerAddress": "d", "Alive": True, "Resources": {"CPU": 8.0}},
+    ]
     assert gpu_nodes(nodes, 4) == ["a"] and gpu_nodes(nodes, 0) == ["a", "c", "d"]
 
 
@@ -39,25 +42,57 @@ def ray_head():
         while (port := free_port()) in workers:
             pass
         return port
+
     port = port_outside_workers()
-    ports = {flag: port_outside_workers() for flag in ("node-manager-port", "object-manager-port",
-                                                       "ray-client-server-port", "dashboard-port",
-                                                       "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                       "runtime-env-agent-port", "metrics-export-port")}
+    ports = {
+        flag: port_outside_workers()
+        for flag in (
+            "node-manager-port",
+            "object-manager-port",
+            "ray-client-server-port",
+            "dashboard-port",
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "runtime-env-agent-port",
+            "metrics-export-port",
+        )
+    }
     # Ray's unix sockets live under the temp dir, whose path must stay under ~100 characters.
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     log = open(temp_dir / "head.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}",
-                             "--node-ip-address=127.0.0.1", "--num-cpus=1", "--num-gpus=0", "--include-dashboard=false",
-                             *(f"--{flag}={value}" for flag, value in ports.items()),
-                             f"--min-worker-port={workers[0]}", f"--max-worker-port={workers[-1]}",
-                             f"--temp-dir={temp_dir}", "--block"], start_new_session=True,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            *(f"--{flag}={value}" for flag, value in ports.items()),
+            f"--min-worker-port={workers[0]}",
+            f"--max-worker-port={workers[-1]}",
+            f"--temp-dir={temp_dir}",
+            "--block",
+        ],
+        start_new_session=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    while subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
-                         capture_output=True).returncode != 0:
-        assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[-3000:]
+    while (
+        subprocess.run(
+            [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address], capture_output=True
+        ).returncode
+        != 0
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
+            -3000:
+        ]
         time.sleep(1)
     yield address
     os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
@@ -80,10 +115,20 @@ def test_ray_ports_default_to_distinct_values():
     assert len(ports) == 9 and len(set(ports)) == len(ports)
 
 
-@pytest.mark.parametrize("ports, message", [
-    ({"object_manager_port": 10500}, "object_manager_port 10500 is inside the worker port range 10002-10999"),
-    ({"metrics_export_port": 6380}, "metrics_export_port and node_manager_port are both 6380"),
-    ({"min_worker_port": 20000, "max_worker_port": 19000}, "min_worker_port 20000 is above max_worker_port 19000")])
+@pytest.mark.parametrize(
+    "ports, message",
+    [
+        (
+            {"object_manager_port": 10500},
+            "object_manager_port 10500 is inside the worker port range 10002-10999",
+        ),
+        ({"metrics_export_port": 6380}, "metrics_export_port and node_manager_port are both 6380"),
+        (
+            {"min_worker_port": 20000, "max_worker_port": 19000},
+            "min_worker_port 20000 is above max_worker_port 19000",
+        ),
+    ],
+)
 def test_a_profile_with_clashing_ray_ports_is_refused_naming_them(tmp_path, ports, message):
     profile = tmp_path / "site.yaml"
     profile.write_text(yaml.safe_dump({"name": "site", "ray": ports}))

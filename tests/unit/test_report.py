@@ -1,5 +1,6 @@
 """The report: one self-contained HTML that renders in headless Chromium with every figure, a
 Markdown file with the same tables, GRPO's three phases side by side, a straggler named."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,24 @@ RANKS = (0, 1)
 
 
 def event(rank, step, phase, op, nbytes, seq, t0, dur, async_op=False):
-    return {"stage": "", "step": step, "phase": phase, "rank": rank, "op": op, "bytes": nbytes, "dtype": "float32",
-            "group_size": 2, "group_ranks": [0, 1], "peer": None, "seq": seq, "t_start": t0, "t_end": t0 + dur,
-            "backend": "gloo", "source": "torch.distributed", "async_op": async_op}
+    return {
+        "stage": "",
+        "step": step,
+        "phase": phase,
+        "rank": rank,
+        "op": op,
+        "bytes": nbytes,
+        "dtype": "float32",
+        "group_size": 2,
+        "group_ranks": [0, 1],
+        "peer": None,
+        "seq": seq,
+        "t_start": t0,
+        "t_end": t0 + dur,
+        "backend": "gloo",
+        "source": "torch.distributed",
+        "async_op": async_op,
+    }
 
 
 def write_stage(run: Path, stage: str, phases: list[str], late_rank: int = 1, late_s: float = 0.02) -> None:
@@ -35,7 +51,9 @@ def write_stage(run: Path, stage: str, phases: list[str], late_rank: int = 1, la
             for op, nbytes in (("all_reduce", 1 << 20), ("all_gather", 1 << 16)):
                 for r in RANKS:
                     start = t + (late_s if r == late_rank else 0.0)
-                    rows[r].append(event(r, step, phase, op, nbytes, seq[op], start, t + late_s + 0.005 - start))
+                    rows[r].append(
+                        event(r, step, phase, op, nbytes, seq[op], start, t + late_s + 0.005 - start)
+                    )
                 seq[op] += 1
                 t += 0.1
     for r in RANKS:
@@ -49,10 +67,26 @@ def report(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("runs")
     for name, late in (("ranks2", 1), ("ranks2-again", 0)):
         write_stage(root / name, "stage1_sft", ["forward", "backward", "optimizer"], late_rank=late)
-        write_stage(root / name, "stage2_grpo", ["rollout", "policy_logprob", "reference_logprob", "policy_update"],
-                    late_rank=late)
-    (root / "ranks2" / "commbench.json").write_text(json.dumps({"backend": "gloo", "world_size": 2, "results": {
-        "all_reduce": [{"bytes": b, "latency_us": 1.0, "algbw_GBps": 1.0, "busbw_GBps": 1.0} for b in (1024, 1 << 20)]}}))
+        write_stage(
+            root / name,
+            "stage2_grpo",
+            ["rollout", "policy_logprob", "reference_logprob", "policy_update"],
+            late_rank=late,
+        )
+    (root / "ranks2" / "commbench.json").write_text(
+        json.dumps(
+            {
+                "backend": "gloo",
+                "world_size": 2,
+                "results": {
+                    "all_reduce": [
+                        {"bytes": b, "latency_us": 1.0, "algbw_GBps": 1.0, "busbw_GBps": 1.0}
+                        for b in (1024, 1 << 20)
+                    ]
+                },
+            }
+        )
+    )
     out = root / "report"
     write_report([root / "ranks2", root / "ranks2-again"], out)
     return out
@@ -110,15 +144,19 @@ def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
     header, *rows = markdown_table(grpo, title)
     assert header[1::3] == ["policy_update calls", "policy_logprob calls", "reference_logprob calls"]
     # write_stage: one all-reduce and one all-gather a phase and step, 3 steps; the two ranks spend 25 + 5 ms a call
-    assert rows == [["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
-                    ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3]]
+    assert rows == [
+        ["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
+        ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3],
+    ]
 
 
 def test_bytes_by_phase_are_what_each_phase_sent(report):
     md = (report / "report.md").read_text().split("### stage1_sft\n")[1]
     rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
-    assert rows == [["phase", "all_gather", "all_reduce"], *([p, "192.00 KiB", "3.00 MiB"]
-                                                            for p in ("backward", "forward", "optimizer"))]
+    assert rows == [
+        ["phase", "all_gather", "all_reduce"],
+        *([p, "192.00 KiB", "3.00 MiB"] for p in ("backward", "forward", "optimizer")),
+    ]
 
 
 def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
@@ -136,14 +174,29 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_error(report, tmp_path):
     shot = tmp_path / "shot.png"
-    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
-            f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1200,2000"]
+    base = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--hide-scrollbars",
+        f"--user-data-dir={tempfile.mkdtemp()}",
+        "--window-size=1200,2000",
+    ]
     url = (report / "index.html").as_uri()
-    shot_run = subprocess.run([*base, "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", url],
-                              capture_output=True, text=True, timeout=120)
-    dom = subprocess.run([*base, "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
-                         timeout=120).stdout
+    shot_run = subprocess.run(
+        [*base, "--enable-logging=stderr", "--v=0", f"--screenshot={shot}", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    dom = subprocess.run(
+        [*base, "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True, timeout=120
+    ).stdout
     console = [l for l in shot_run.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
     assert console == []
     figures = len(list(report.glob("*.png")))
@@ -184,4 +237,5 @@ def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path
     comparison = markdown_table(md, "Comparison across runs")
     assert [row[0] for row in comparison[1:]] == ["site-a/runs/tiny-cpu", "site-b/runs/tiny-cpu"]
     assert {"site-a_runs_tiny-cpu-stage2_grpo-phases.png", "site-b_runs_tiny-cpu-stage2_grpo-phases.png"} <= {
-        p.name for p in out.glob("*.png")}
+        p.name for p in out.glob("*.png")
+    }

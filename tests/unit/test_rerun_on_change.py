@@ -2,6 +2,7 @@
 manifest says which input changed. The stage graph's decisions are under test here, not training:
 each stage is a stand-in that writes a final/ determined by the stage's recorded inputs, as a
 seeded training run would."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import pytest
 import yaml
 
 from core.config import load_config
-from pipeline.driver import run_pipeline
 from core.rundir import RunDir
+from pipeline.driver import run_pipeline
 from stages.checkpoint import CheckpointDir
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import write_examples
@@ -43,10 +44,19 @@ def workspace(tmp_path_factory):
     for name, split, n in (("sft", "train", 32), ("prompts", "prompts", 16), ("eval", "eval", 8)):
         write_examples(root / f"{name}.jsonl", generate_arithmetic(1, n, split, 2, 2))
     config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-    config["data"] = {"task": "files", "sft_file": "sft.jsonl", "prompts_file": "prompts.jsonl",
-                      "eval_file": "eval.jsonl"}
-    config["model"]["tiny"] = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                               "ffn_hidden_size": 64}
+    config["data"] = {
+        "task": "files",
+        "sft_file": "sft.jsonl",
+        "prompts_file": "prompts.jsonl",
+        "eval_file": "eval.jsonl",
+    }
+    config["model"]["tiny"] = {
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "ffn_hidden_size": 64,
+    }
     (root / "run.yaml").write_text(yaml.safe_dump(config))
     run = RunDir(root / "run")
     assert rerun(root) == ALL

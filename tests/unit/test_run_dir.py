@@ -1,5 +1,6 @@
 """The run directory's pieces: atomic manifest, checkpoint sealing and verification, the
 resumable global batch order and the loss-token count."""
+
 from __future__ import annotations
 
 import json
@@ -69,7 +70,9 @@ def test_micro_batches_shift_labels_and_mask_padding():
 
 
 def test_overrides_reach_nested_fields_and_config_round_trips(tmp_path):
-    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["stage1_sft.parallel.tp=2", "seed=5", "wandb.mode=disabled"])
+    cfg = load_config(
+        REPO / "configs" / "tiny-cpu.yaml", ["stage1_sft.parallel.tp=2", "seed=5", "wandb.mode=disabled"]
+    )
     assert cfg.stage1_sft.parallel.tp == 2 and cfg.seed == 5 and cfg.wandb.mode == "disabled"
     assert json.loads(cfg.model_dump_json())["stage1_sft"]["parallel"]["tp"] == 2
 

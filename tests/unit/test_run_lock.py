@@ -1,6 +1,7 @@
 """One run at a time: a second `hpcr1 run`/`resume` on a run directory in use is refused naming the
 holder and changes nothing; the lock outlives a killed driver while its ranks live, and is taken
 over (and said so) once every holder is gone."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ import pytest
 import yaml
 
 from core.atomic import atomic_write_text
-from pipeline.cli import main
 from core.config import dump_config, load_config
 from core.rundir import RunDir
+from pipeline.cli import main
 from pipeline.runlock import RunDirBusy, hold_run_dir
 from tests.conftest import REPO, SMALL_RUN, snapshot
 
@@ -40,8 +41,14 @@ HOLDER = textwrap.dedent("""
 def holder(tmp_path):
     """A live driver holding tmp_path/run's lock, and the pid of the child it passed the lock to."""
     run = RunDir(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run.lock)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run.lock)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     ranks_pid = int(proc.stdout.readline())
     yield run, proc, ranks_pid
     for pid in (proc.pid, ranks_pid):

@@ -1,5 +1,6 @@
 """sbatch scripts rendered for real cluster profiles: the directives and srun line an expert would
 write, valid shell (shellcheck), and hostile strings that stay inert."""
+
 from __future__ import annotations
 
 import shlex
@@ -24,8 +25,16 @@ def directives(script: str) -> list[str]:
 def test_perlmutter_script_has_gpu_directives_and_slingshot_env(nodes, tmp_path):
     script = render_stage_script(load_profile("perlmutter"), tmp_path / "run", "stage2_grpo", nodes)
     d = directives(script)
-    for expected in (f"--nodes={nodes}", "--ntasks-per-node=4", "--gpus-per-node=4", "--constraint=gpu",
-                     "--qos=regular", "--requeue", "--signal=B:USR1@600", "--exclusive"):
+    for expected in (
+        f"--nodes={nodes}",
+        "--ntasks-per-node=4",
+        "--gpus-per-node=4",
+        "--constraint=gpu",
+        "--qos=regular",
+        "--requeue",
+        "--signal=B:USR1@600",
+        "--exclusive",
+    ):
         assert expected in d, (expected, d)
     assert "export FI_PROVIDER=cxi" in script and "export NCCL_NET='AWS Libfabric'" in script
     assert "module load PrgEnv-gnu cudatoolkit" in script
@@ -51,14 +60,20 @@ def test_rendered_scripts_pass_shellcheck(profile, nodes, tmp_path):
 
 def test_srun_line_launches_one_worker_per_task(tmp_path):
     cmd = srun_command(tmp_path, "stage1_sft", "srun")
-    assert cmd[:2] == ["srun", "--kill-on-bad-exit=1"] and cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
+    assert cmd[:2] == ["srun", "--kill-on-bad-exit=1"] and cmd[-3:] == [
+        "launch.worker",
+        str(tmp_path),
+        "stage1_sft",
+    ]
 
 
 def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "nid[001-002]")
-    monkeypatch.setattr("launch.slurm_launch.first_host", lambda nodelist: "nid001")  # scontrol needs slurmctld
+    monkeypatch.setattr(
+        "launch.slurm_launch.first_host", lambda nodelist: "nid001"
+    )  # scontrol needs slurmctld
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURMD_NODENAME", "nid001")
     cmd = srun_command(tmp_path, "stage1_sft", "torchrun")
@@ -68,8 +83,13 @@ def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monk
     assert cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
 
 
-HOSTILE = ["it's \"quoted\"", "$(touch /tmp/pwned)", "`touch /tmp/pwned`", "new\nline; touch /tmp/pwned",
-           "spa ces & ; | > /tmp/pwned"]
+HOSTILE = [
+    'it\'s "quoted"',
+    "$(touch /tmp/pwned)",
+    "`touch /tmp/pwned`",
+    "new\nline; touch /tmp/pwned",
+    "spa ces & ; | > /tmp/pwned",
+]
 
 
 @pytest.mark.parametrize("hostile", HOSTILE)
@@ -95,6 +115,6 @@ def test_hostile_profile_values_are_rejected(tmp_path):
     from core.config import ConfigError
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\naccount: \"m1234\\n#SBATCH --wrap=touch /tmp/pwned\"\n")
+    bad.write_text('name: bad\naccount: "m1234\\n#SBATCH --wrap=touch /tmp/pwned"\n')
     with pytest.raises(ConfigError, match="account"):
         load_profile(str(bad))

@@ -1,5 +1,6 @@
 """The character tokenizer round-trips text exactly and loads back with AutoTokenizer offline; the
 prompt and SFT encodings follow the chat template of whatever tokenizer they are given."""
+
 from __future__ import annotations
 
 import string
@@ -39,14 +40,18 @@ def llama_like_tok():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     core.train_from_iterator([e.prompt + e.response for e in EXAMPLES] * 4, trainer)
-    template = ("<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                "{{ m['content'] }}<|eot_id|>{% endfor %}"
-                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>",
-                                   chat_template=template)
+    template = (
+        "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>", chat_template=template
+    )
 
 
 def test_vocabulary_is_printable_ascii_newline_tags_and_specials_under_128(char_tok):
@@ -69,7 +74,9 @@ def test_saved_tokenizer_encodes_like_the_built_one(char_dir, char_tok):
 def test_each_tag_is_one_token_that_decodes_back(char_tok, tag):
     ids = char_tok(f"1{tag}2", add_special_tokens=False)["input_ids"]
     assert len(ids) == 3 and char_tok.decode(ids) == f"1{tag}2"
-    assert char_tok.decode(ids, skip_special_tokens=True) == f"1{tag}2", "tags must survive skip_special_tokens"
+    assert char_tok.decode(ids, skip_special_tokens=True) == f"1{tag}2", (
+        "tags must survive skip_special_tokens"
+    )
 
 
 def test_arithmetic_examples_round_trip_exactly(char_tok):
@@ -95,7 +102,10 @@ def test_characters_outside_the_vocabulary_become_unk(char_tok):
 
 def test_chat_template_marks_turns(char_tok):
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "<answer>2</answer>"}]
-    assert char_tok.apply_chat_template(chat, tokenize=False) == "<|user|>1+1=<|assistant|><answer>2</answer><|eos|>"
+    assert (
+        char_tok.apply_chat_template(chat, tokenize=False)
+        == "<|user|>1+1=<|assistant|><answer>2</answer><|eos|>"
+    )
     prompt = char_tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|user|>1+1=<|assistant|>"
 
@@ -130,7 +140,8 @@ def test_sft_encoding_follows_another_tokenizers_template(llama_like_tok, exampl
     prompt = encode_prompt(llama_like_tok, example.prompt)
     assert llama_like_tok.decode(prompt) == (
         f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{example.prompt}<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert len(llama_like_tok(example.response)["input_ids"]) < len(example.response), "BPE merges nothing"
 
 

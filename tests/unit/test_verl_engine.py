@@ -3,6 +3,7 @@ installed verl's own Hydra config and pass verl's validation; what verl rejects 
 exit 2 naming our field; `hpcr1 run` refuses the engine before writing anything; the rendered
 Ray-on-Slurm script passes shellcheck; verl's reward function scores as ours does; verl's traces
 become profile/ events."""
+
 from __future__ import annotations
 
 import gzip
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.trace_parser import parse_trace
-from pipeline.cli import main
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
+from pipeline.cli import main
+from runtime.trace_parser import parse_trace
 from stages.engines.verl_io import VERL_PHASES, held_out_result, traces_to_events
 from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
 from stages.rewards.math_reward import score
@@ -26,13 +27,20 @@ CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
 SHAPE_70B = "model.path=models/llama-3.3-70b"  # config.json only: enough for every check here
 TRACE = Path(__file__).parent / "fixtures" / "nccl_trace_h100_torch211.json"
 # A small task in place of the 70B config's data files (which are placeholders).
-SMALL_DATA = ["data.task=arithmetic", "data.arithmetic.sft_size=8", "data.arithmetic.prompts_size=8",
-              "data.arithmetic.eval_size=4"]
+SMALL_DATA = [
+    "data.task=arithmetic",
+    "data.arithmetic.sft_size=8",
+    "data.arithmetic.prompts_size=8",
+    "data.arithmetic.eval_size=4",
+]
 
 
 def config_70b(*overrides: str):
-    return load_config(CONFIG_70B, [SHAPE_70B, "stage2_grpo.engine=verl", "stage4_grpo.engine=verl", *overrides],
-                       data_files=False)
+    return load_config(
+        CONFIG_70B,
+        [SHAPE_70B, "stage2_grpo.engine=verl", "stage4_grpo.engine=verl", *overrides],
+        data_files=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +48,14 @@ def composed_70b(tmp_path_factory):
     """{stage: (our stage config, verl's composed config)} for the 70B config on 32 Perlmutter nodes."""
     cfg = config_70b()
     run = RunDir(tmp_path_factory.mktemp("run"))
-    return run, cfg, {sid: compose_verl_config(check_verl_stage(cfg, run, sid, 32, 4))
-                      for sid in ("stage2_grpo", "stage4_grpo")}
+    return (
+        run,
+        cfg,
+        {
+            sid: compose_verl_config(check_verl_stage(cfg, run, sid, 32, 4))
+            for sid in ("stage2_grpo", "stage4_grpo")
+        },
+    )
 
 
 @pytest.mark.parametrize("sid", ["stage2_grpo", "stage4_grpo"])
@@ -56,11 +70,18 @@ def test_70b_overrides_compose_and_pass_verls_validation_with_our_values(compose
     assert arr.actor.use_kl_loss is True and arr.actor.kl_loss_coef == ours.kl_coef == 0.001
     assert arr.actor.kl_loss_type == ours.kl_type and arr.actor.optim.lr == ours.lr
     assert arr.actor.clip_ratio_low == arr.actor.clip_ratio_high == ours.clip_ratio
-    assert theirs.data.max_response_length == ours.max_new_tokens and arr.rollout.temperature == ours.temperature
-    assert theirs.trainer.resume_mode == "auto" and theirs.trainer.default_local_dir == str(run.ckpt(sid).resolve())
+    assert (
+        theirs.data.max_response_length == ours.max_new_tokens and arr.rollout.temperature == ours.temperature
+    )
+    assert theirs.trainer.resume_mode == "auto" and theirs.trainer.default_local_dir == str(
+        run.ckpt(sid).resolve()
+    )
     assert theirs.trainer.nnodes * theirs.trainer.n_gpus_per_node == cfg.nproc == 128
     assert theirs.trainer.balance_batch is ours.balance_batch
-    assert theirs.trainer.total_training_steps == ours.steps and theirs.trainer.save_freq == ours.checkpoint_every
+    assert (
+        theirs.trainer.total_training_steps == ours.steps
+        and theirs.trainer.save_freq == ours.checkpoint_every
+    )
     assert arr.model.path == str(run.final(ours.init_from).resolve())
     assert arr.rollout.name == "vllm" and arr.actor.strategy == "fsdp"
     assert theirs.global_profiler.tool == "torch"
@@ -74,7 +95,9 @@ def test_old_log_probs_from_the_rollout_is_verls_bypass_mode_with_rollout_log_pr
     cfg = config_70b(f"stage2_grpo.old_log_probs={source}")
     composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
     assert composed.algorithm.rollout_correction.bypass_mode is bypass
-    assert composed.algorithm.rollout_correction.loss_type == "ppo_clip"  # our clipped loss, ratio to the rollout's
+    assert (
+        composed.algorithm.rollout_correction.loss_type == "ppo_clip"
+    )  # our clipped loss, ratio to the rollout's
     assert composed.actor_rollout_ref.rollout.calculate_log_probs is True
 
 
@@ -88,11 +111,30 @@ def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path)
 
 def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_path, capsys):
     # 100 prompts x 8 responses do not split over 128 GPUs: verl's validate_config says so.
-    rc = main(["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run",
-               "--run-dir", str(tmp_path / "run"), SHAPE_70B, *SMALL_DATA, "stage2_grpo.engine=verl",
-               "stage2_grpo.prompts_per_step=100"])
+    rc = main(
+        [
+            "submit",
+            str(CONFIG_70B),
+            "--cluster",
+            "perlmutter",
+            "--nodes",
+            "32",
+            "--dry-run",
+            "--run-dir",
+            str(tmp_path / "run"),
+            SHAPE_70B,
+            *SMALL_DATA,
+            "stage2_grpo.engine=verl",
+            "stage2_grpo.prompts_per_step=100",
+        ]
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and "stage2_grpo.prompts_per_step" in err and "verl rejects" in err and "real_train_batch_size" in err
+    assert (
+        rc == 2
+        and "stage2_grpo.prompts_per_step" in err
+        and "verl rejects" in err
+        and "real_train_batch_size" in err
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -110,14 +152,23 @@ def test_a_key_verl_does_not_have_is_rejected_by_composition():
 
 
 def test_hpcr1_run_refuses_the_verl_engine_before_writing_anything(tmp_path, capsys):
-    rc = main(["run", str(REPO / "configs" / "tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"),
-               "stage2_grpo.engine=verl"])
+    rc = main(
+        [
+            "run",
+            str(REPO / "configs" / "tiny-cpu.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "stage2_grpo.engine=verl",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "stage2_grpo.engine" in err and "hpcr1 submit" in err and "vLLM" in err
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("path", ["/tmp/run dir/it's", "/tmp/back\\slash", "/tmp/end\\", "/tmp/q\\'x", "/tmp/a=b,c[d]"])
+@pytest.mark.parametrize(
+    "path", ["/tmp/run dir/it's", "/tmp/back\\slash", "/tmp/end\\", "/tmp/q\\'x", "/tmp/a=b,c[d]"]
+)
 def test_paths_reach_verl_unchanged_through_hydras_grammar(path):
     composed = compose_verl_config([f"trainer.default_local_dir={hydra_value(path)}"])
     assert composed.trainer.default_local_dir == path
@@ -125,12 +176,30 @@ def test_paths_reach_verl_unchanged_through_hydras_grammar(path):
 
 def test_dry_run_submit_renders_the_verl_script_and_it_passes_shellcheck(tmp_path, capsys):
     run = tmp_path / "run"
-    rc = main(["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run",
-               "--run-dir", str(run), SHAPE_70B, *SMALL_DATA, "stage2_grpo.engine=verl"])
+    rc = main(
+        [
+            "submit",
+            str(CONFIG_70B),
+            "--cluster",
+            "perlmutter",
+            "--nodes",
+            "32",
+            "--dry-run",
+            "--run-dir",
+            str(run),
+            SHAPE_70B,
+            *SMALL_DATA,
+            "stage2_grpo.engine=verl",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     verl_script = (run / "stage2_grpo" / "logs" / "stage2_grpo.sbatch").read_text()
     native_script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
-    assert "start --head" in verl_script and "--port=6379" in verl_script and "--min-worker-port=10002" in verl_script
+    assert (
+        "start --head" in verl_script
+        and "--port=6379" in verl_script
+        and "--min-worker-port=10002" in verl_script
+    )
     assert "-m launch.ray_cluster" in verl_script and "-m pipeline.cli stage" in verl_script
     assert "ray.scripts.scripts" not in native_script
     if shutil.which("shellcheck") is None:
@@ -143,12 +212,23 @@ def test_verls_reward_function_scores_as_our_reward():
     from verl.utils.import_utils import load_extern_object
 
     compute_score = load_extern_object(str(REPO / "stages" / "engines" / "verl_reward.py"), "compute_score")
-    cases = [("<think>2+2=4</think><answer>4</answer>", "4"), ("<think>x</think><answer>5</answer>", "4"),
-             ("the answer is 4", "4"), ("<answer>1,234</answer>", "1234"), ("<think>a</think> <answer>1/2</answer>", "0.5")]
+    cases = [
+        ("<think>2+2=4</think><answer>4</answer>", "4"),
+        ("<think>x</think><answer>5</answer>", "4"),
+        ("the answer is 4", "4"),
+        ("<answer>1,234</answer>", "1234"),
+        ("<think>a</think> <answer>1/2</answer>", "0.5"),
+    ]
     for response, truth in cases:
         ours = score(response, truth, format_weight=0.3)
-        theirs = compute_score(data_source="hpcr1", solution_str=response, ground_truth=truth, format_weight=0.3)
-        assert theirs == {"score": ours.reward, "acc": float(ours.correct), "format_ok": float(ours.format_ok)}
+        theirs = compute_score(
+            data_source="hpcr1", solution_str=response, ground_truth=truth, format_weight=0.3
+        )
+        assert theirs == {
+            "score": ours.reward,
+            "acc": float(ours.correct),
+            "format_ok": float(ours.format_ok),
+        }
 
 
 def test_verl_traces_become_profile_events_with_step_rank_and_phase(tmp_path):
@@ -156,26 +236,48 @@ def test_verl_traces_become_profile_events_with_step_rank_and_phase(tmp_path):
     spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     start, end = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
     # verl's DistProfiler wraps the actor's update in a range named after its role
-    trace["traceEvents"].append({"ph": "X", "cat": "user_annotation", "name": "actor_update", "ts": start,
-                                 "dur": end - start, "pid": 0, "tid": 0, "args": {}})
+    trace["traceEvents"].append(
+        {
+            "ph": "X",
+            "cat": "user_annotation",
+            "name": "actor_update",
+            "ts": start,
+            "dur": end - start,
+            "pid": 0,
+            "tid": 0,
+            "args": {},
+        }
+    )
     traces = tmp_path / "verl_traces"
     traces.mkdir()
     with gzip.open(traces / "actor_actor_update_step3_rank0-of-1_pid42_20261123.json.gz", "wt") as f:
         json.dump(trace, f)
     n = traces_to_events(traces, tmp_path / "profile", "stage2_grpo")
-    events = [json.loads(line) for line in (tmp_path / "profile" / "rank-00000.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line) for line in (tmp_path / "profile" / "rank-00000.jsonl").read_text().splitlines()
+    ]
     expected = parse_trace(TRACE, stage="stage2_grpo")
     assert n == len(events) == len(expected) == 5
-    assert [(e["op"], e["bytes"], e["seq"]) for e in events] == [(e["op"], e["bytes"], e["seq"]) for e in expected]
-    assert all(e["step"] == 3 and e["phase"] == VERL_PHASES["actor_update"] == "policy_update" for e in events)
+    assert [(e["op"], e["bytes"], e["seq"]) for e in events] == [
+        (e["op"], e["bytes"], e["seq"]) for e in expected
+    ]
+    assert all(
+        e["step"] == 3 and e["phase"] == VERL_PHASES["actor_update"] == "policy_update" for e in events
+    )
 
 
 def test_held_out_accuracy_is_read_from_verls_last_validation(tmp_path):
     log = tmp_path / "verl_metrics.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in [
-        (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
-        (2, {"actor/pg_loss": 0.1}),
-        (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0})]))
+    log.write_text(
+        "".join(
+            json.dumps({"step": s, "data": d}) + "\n"
+            for s, d in [
+                (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
+                (2, {"actor/pg_loss": 0.1}),
+                (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0}),
+            ]
+        )
+    )
     assert held_out_result(log, "hpcr1", 4) == {"accuracy": 0.75, "format_rate": 1.0, "n": 4}
     with pytest.raises(RuntimeError, match="no held-out accuracy"):
         held_out_result(tmp_path / "missing.jsonl", "hpcr1", 4)
@@ -197,7 +299,9 @@ def test_verls_own_dataset_reads_our_parquet_as_chat_prompts_with_their_answers(
     examples = generate_arithmetic(0, 4, "prompts", 3, 4, 1.0)
     write_parquet(tmp_path / "train.parquet", verl_rows(examples, "train", "hpcr1"))
     data_config = compose_verl_config(["data.prompt_key=prompt", "data.dataloader_num_workers=0"]).data
-    dataset = RLHFDataset(str(tmp_path / "train.parquet"), build_char_tokenizer(tmp_path / "tok"), data_config)
+    dataset = RLHFDataset(
+        str(tmp_path / "train.parquet"), build_char_tokenizer(tmp_path / "tok"), data_config
+    )
     assert len(dataset) == len(examples)
     for i, ex in enumerate(examples):
         row = dataset[i]
@@ -210,9 +314,23 @@ def test_verls_step_timers_become_our_phase_times(tmp_path):
     from stages.engines.verl_io import write_metrics
 
     log = tmp_path / "verl_metrics.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "data": {"timing_s/gen": 2.0 * s, "timing_s/update_actor": 1.0,
-                                                            "timing_s/step": 4.0, "actor/pg_loss": 0.1}}) + "\n"
-                           for s in (1, 2)))
+    log.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "step": s,
+                    "data": {
+                        "timing_s/gen": 2.0 * s,
+                        "timing_s/update_actor": 1.0,
+                        "timing_s/step": 4.0,
+                        "actor/pg_loss": 0.1,
+                    },
+                }
+            )
+            + "\n"
+            for s in (1, 2)
+        )
+    )
     write_metrics(log, tmp_path / "metrics.jsonl")
     assert load_phase_times(tmp_path) == {"rollout": 6.0, "policy_update": 2.0}
 
