@@ -32,9 +32,11 @@ system-packages:
 run: setup
 	.venv/bin/hpcr1 run $(CONFIG)
 
-# The one-way layers: pyproject's import-linter contract.
+# The one-way layers (pyproject's import-linter contract), then ruff's lint and format check.
 lint: setup
 	.venv/bin/lint-imports --no-cache
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 # Starts the local single-node Slurm the tests in tests/slurm submit to.
 test: lint system-packages

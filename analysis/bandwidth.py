@@ -1,4 +1,4 @@
-"""Algorithm and bus bandwidth as nccl-tests defines them (DESIGN.md): S bytes moved in t seconds by
+"""Algorithm and bus bandwidth as nccl-tests defines them (docs/design.md): S bytes moved in t seconds by
 a collective over n ranks. One place for the formulas, used by the report and by commbench."""
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Which network NCCL used, read from its own NCCL_DEBUG=INFO lines, and whether inter-node traffic
-went over plain TCP sockets (the silent MB/s-instead-of-GB/s failure: field.md, user request 3).
+went over plain TCP sockets (a silent failure: MB/s where GB/s were expected).
 
-NCCL names the network once per communicator (the "NET/<plugin> : Using" lines are not evidence:
-a real 2.28 log prints "NET/IB : Using [RO]" right before "Failed to initialize NET plugin IB") ("Using network IB", "NET/OFI Selected Provider is
+NCCL names the network once per communicator ("Using network IB", "NET/OFI Selected Provider is
 cxi") and the transport of every ring/tree channel ("Channel 00/0 : 0[0] -> 1[1] via NET/Socket/0",
-"... via P2P/IPC", "... via SHM/direct/direct"). A channel through NET/ crosses nodes.
+"... via P2P/IPC", "... via SHM/direct/direct"). A channel through NET/ crosses nodes. The
+"NET/<plugin> : Using" lines are not evidence: NCCL 2.28 prints "NET/IB : Using [RO]" right before
+"Failed to initialize NET plugin IB".
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ per node (analysis/memory.py's formulas), and the verdict.
 
 Choosing: the smallest tensor-parallel size that fits wins (TP traffic is the costliest and stays
 within a node), then no activation recomputation (it costs a third more compute), then the lowest
-ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus` is the smallest count planned at which it fits without offload.
+ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus`
+is the smallest count planned at which it fits without offload.
 """
 
 from __future__ import annotations

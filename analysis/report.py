@@ -90,7 +90,8 @@ def transport_note(doc: Document, stage_dir: Path) -> None:
         return
     doc.paragraph(
         f"NCCL network: {', '.join(sorted(found.networks)) or 'unknown'}; inter-node channels: "
-        f"{', '.join(sorted(found.inter_node)) or 'none'}; intra-node: {', '.join(sorted(found.intra_node)) or 'none'}"
+        f"{', '.join(sorted(found.inter_node)) or 'none'}; "
+        f"intra-node: {', '.join(sorted(found.intra_node)) or 'none'}"
         f"; nodes: {found.nodes}."
     )
     if found.warning:

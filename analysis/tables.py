@@ -36,7 +36,10 @@ class Table:
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.rows
         )
-        return f"<h4>{html.escape(self.title)}</h4>\n<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>\n"
+        return (
+            f"<h4>{html.escape(self.title)}</h4>\n"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>\n"
+        )
 
 
 def size(nbytes: float) -> str:

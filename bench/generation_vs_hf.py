@@ -7,11 +7,11 @@ precision (fp32); prints the ratio ours / transformers (tokens per second) last.
 
 The prompts and settings are stage3_synth's in configs/tiny-cpu.yaml (its prompts, temperature,
 top_p, max_new_tokens, samples_per_prompt); batch sizes are rows of one generate call: 8, 50, and
-200 (stage3_synth's own call: 50 prompts x 4 samples). Both sides sample from the same seed in each repetition, and draw
-the same tokens (`generate` with top_k=0, i.e. no top-k, as our loop), so they generate the same
-number of tokens; tokens count up to and including each row's eos. Repetitions alternate which side
-runs first; medians over repetitions are compared, in wall time and in CPU time (the steadier
-figure on a machine shared with other work).
+200 (stage3_synth's own call: 50 prompts x 4 samples). Both sides sample from the same seed in each
+repetition, and draw the same tokens (`generate` with top_k=0, i.e. no top-k, as our loop), so they
+generate the same number of tokens; tokens count up to and including each row's eos. Repetitions
+alternate which side runs first; medians over repetitions are compared, in wall time and in CPU time
+(the steadier figure on a machine shared with other work).
 
 Where `generate`'s time went (tiny model, batch 50, 1 thread; cProfile and torch.profiler): ~9%
 outside the model's forward (logits processors, stopping criteria, building the causal mask and
@@ -101,7 +101,8 @@ def compare(model, tokenizer, prompt_ids, stage, repeats: int) -> dict[str, dict
             rates[name]["cpu"].append(counts[name] / cpu)
         if counts["ours"] != counts["transformers"]:
             print(
-                f"  note: repetition {rep} generated {counts['ours']} tokens (ours) vs {counts['transformers']}"
+                f"  note: repetition {rep} generated {counts['ours']} tokens (ours) "
+                f"vs {counts['transformers']}"
             )
     return {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rates.items()}
 

@@ -212,14 +212,17 @@ def main(argv=None) -> int:
     if info.rank == 0:
         print(
             f"{args.model_config.parent.name} cut to {args.layers} layers, seq {args.seq_len}, micro-batch "
-            f"{args.micro_batch} x {args.grad_accum}, {result['gpus']} GPUs (tp {result['tp']}, dp {result['dp']}), "
+            f"{args.micro_batch} x {args.grad_accum}, {result['gpus']} GPUs "
+            f"(tp {result['tp']}, dp {result['dp']}), "
             f"{torch.cuda.get_device_name()}: {result['step_s'] * 1e3:.1f} ms a step, "
-            f"{result['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, peak memory {result['max_memory_gib']:.1f} GiB"
+            f"{result['tokens_per_s_per_gpu']:.0f} tokens/s per GPU, "
+            f"peak memory {result['max_memory_gib']:.1f} GiB"
         )
         if args.grpo_run is not None:
             print_grpo_split(args.grpo_run / args.grpo_stage)
         print(
-            f"SFT model FLOP/s per GPU: {result['tflops_per_gpu']:.1f} TFLOP/s, MFU {100 * result['mfu']:.1f}% "
+            f"SFT model FLOP/s per GPU: {result['tflops_per_gpu']:.1f} TFLOP/s, "
+            f"MFU {100 * result['mfu']:.1f}% "
             f"of {result['peak_tflops']:.0f} TFLOP/s bf16"
         )
     from runtime.dist import shutdown_distributed

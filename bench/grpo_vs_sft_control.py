@@ -86,7 +86,8 @@ def main() -> None:
         f"continued SFT {mean['control']:.3f}"
     )
     print(
-        f"GRPO gain: {mean['grpo'] - mean['stage1']:+.3f} over stage 1, {mean['grpo'] - mean['control']:+.3f} "
+        f"GRPO gain: {mean['grpo'] - mean['stage1']:+.3f} over stage 1, "
+        f"{mean['grpo'] - mean['control']:+.3f} "
         "over the SFT control"
     )
 

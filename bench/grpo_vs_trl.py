@@ -11,7 +11,7 @@ responses and the updates on it. Prints each repetition, the medians, and the ra
 Without --model, the stage-1 model is trained first in the benchmark's run directory (the config's
 stage1_sft with --sft-steps steps; reused by later invocations): response lengths, and so the cost of a
 step, depend on it.
-"""
+"""  # noqa: E501 (the usage line, printed by --help as it stands)
 
 from __future__ import annotations
 
@@ -146,10 +146,12 @@ def main() -> None:
         lambda: versus.run_peer(__file__, run, args.threads, [str(total)]),
     )
     setup = (
-        f"{STAGE} vs TRL GRPOTrainer from {run.model_dir(stage.init_from)}: {stage.prompts_per_step} prompts x "
+        f"{STAGE} vs TRL GRPOTrainer from {run.model_dir(stage.init_from)}: "
+        f"{stage.prompts_per_step} prompts x "
         f"G={stage.group_size}, max_new_tokens {stage.max_new_tokens}, temperature {stage.temperature}, "
         f"{stage.ppo_epochs} PPO epoch(s) x {stage.mini_batches} mini-batches, KL {stage.kl_coef} "
-        f"(ours {stage.kl_type}, TRL k3), fp32; ours {nproc} ranks x {max(1, args.threads // nproc)} threads, "
+        f"(ours {stage.kl_type}, TRL k3), fp32; "
+        f"ours {nproc} ranks x {max(1, args.threads // nproc)} threads, "
         f"TRL 1 process x {args.threads} threads; {args.steps} steps after {args.warmup} warm-up"
     )
     versus.compare(runs, args.warmup, ["samples", "generated tokens"], "samples", setup)

@@ -284,7 +284,10 @@ def kill_and_resume(
     hit, outlived = [], 0
     for number, point in enumerate(points, 1):
         stage_index, steps = point.after
-        where = f"{STAGE_IDS[stage_index] if stage_index < len(STAGE_IDS) else 'end'} step {steps} + {point.delay:4.1f}s"
+        where = (
+            f"{STAGE_IDS[stage_index] if stage_index < len(STAGE_IDS) else 'end'} "
+            f"step {steps} + {point.delay:4.1f}s"
+        )
         log = logs / f"attempt-{number:02d}.log"
         with Attempt(run_dir, overrides, log) as attempt:
             killed, seconds = attempt.kill_at(point), attempt.elapsed()
@@ -324,7 +327,8 @@ def verdict(reference: Path, killed: Path) -> bool:
         if actual_steps[sid] != expected_steps[sid]:
             ok = False
             print(
-                f"DIFFERENT  {sid}/metrics.jsonl steps {actual_steps[sid]} (uninterrupted: {expected_steps[sid]})"
+                f"DIFFERENT  {sid}/metrics.jsonl steps {actual_steps[sid]} "
+                f"(uninterrupted: {expected_steps[sid]})"
             )
     return ok
 

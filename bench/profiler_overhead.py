@@ -168,7 +168,8 @@ def rank_main(args) -> None:
         recorded = len((Path(tmp) / f"rank-{rank:05d}.jsonl").read_text().splitlines())
     if rank == 0:
         print(
-            f"{blocks} blocks of {steps} steps each side; {recorded / (blocks * steps):.0f} calls recorded a step "
+            f"{blocks} blocks of {steps} steps each side; "
+            f"{recorded / (blocks * steps):.0f} calls recorded a step "
             f"on rank 0; load average {os.getloadavg()[0]:.2f}"
         )
         (cpu_off, cpu_on), (off, on) = times["cpu"], times["wall"]

@@ -100,8 +100,10 @@ def main() -> None:
         lambda: versus.run_peer(__file__, run, args.threads, [str(total)]),
     )
     setup = (
-        f"{STAGE} vs TRL SFTTrainer: global batch {stage.global_batch_size}, micro {stage.micro_batch_size}, "
-        f"max_seq_len {stage.max_seq_len}, {stage.dtype}; ours {nproc} ranks x {max(1, args.threads // nproc)} "
+        f"{STAGE} vs TRL SFTTrainer: global batch {stage.global_batch_size}, "
+        f"micro {stage.micro_batch_size}, "
+        f"max_seq_len {stage.max_seq_len}, {stage.dtype}; "
+        f"ours {nproc} ranks x {max(1, args.threads // nproc)} "
         f"threads, TRL 1 process x {args.threads} threads; {args.steps} steps after {args.warmup} warm-up"
     )
     versus.compare(runs, args.warmup, ["trained tokens", "samples"], "trained tokens", setup)

@@ -37,18 +37,9 @@ PROMPTS, PROMPT_TOKENS, MIN_LENGTH, PAD, EOS = 8, 17, 10, 0, 1
 
 def embedded_default():
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [])
-    t = cfg.model.tiny
     with tempfile.TemporaryDirectory() as out:
         build_tiny_llama(
-            out,
-            vocab_size=TINY_VOCAB_SIZE,
-            hidden_size=t.hidden_size,
-            num_layers=t.num_layers,
-            num_heads=t.num_heads,
-            num_kv_heads=t.num_kv_heads,
-            ffn_hidden_size=t.ffn_hidden_size,
-            pad_token_id=PAD,
-            eos_token_id=EOS,
+            out, vocab_size=TINY_VOCAB_SIZE, pad_token_id=PAD, eos_token_id=EOS, **cfg.model.tiny.model_dump()
         )
         return LlamaForCausalLM.from_pretrained(out), cfg.stage2_grpo
 
@@ -93,7 +84,8 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
 
     print(
-        f"{len(batch)} rows ({PROMPTS} prompts x {stage.group_size}), prompts {PROMPT_TOKENS} tokens, responses "
+        f"{len(batch)} rows ({PROMPTS} prompts x {stage.group_size}), "
+        f"prompts {PROMPT_TOKENS} tokens, responses "
         f"{mask.sum(1).float().mean():.1f} tokens on average, micro-batches of {stage.micro_batch_size}"
     )
     for name, run in (("forward", forward), ("forward+backward", forward_backward)):
@@ -106,7 +98,8 @@ def main() -> None:
                     times[share_prompts].append(time.perf_counter() - start)
         whole, shared = (statistics.median(times[s]) * 1e3 for s in (False, True))
         print(
-            f"{name}: whole rows {whole:.1f} ms, shared prompts {shared:.1f} ms, whole / shared {whole / shared:.2f}"
+            f"{name}: whole rows {whole:.1f} ms, shared prompts {shared:.1f} ms, "
+            f"whole / shared {whole / shared:.2f}"
         )
 
 

@@ -59,7 +59,8 @@ def parser(doc: str, steps: int, warmup: int) -> argparse.ArgumentParser:
 
 
 def prepare(config: str, out: str, overrides: list[str]) -> tuple[RunConfig, RunDir]:
-    """The benchmark's run directory: resolved config and inputs (base model, data), as hpcr1 run writes them."""
+    """The benchmark's run directory: resolved config and inputs (base model, data), as hpcr1 run
+    writes them."""
     cfg = load_config(config, overrides)
     run = RunDir(Path(out).resolve())
     prepare_run(cfg, run, Path(config).resolve().parent)
@@ -105,7 +106,8 @@ def print_rank_waits(run: RunDir, stage_id: str, steps: list[int], seconds: list
         return
     waits = wait_by_rank(calls)
     print(
-        f"ours: waiting for the slowest rank in collectives, ms a step (of {1000 * statistics.mean(seconds):.0f}): "
+        "ours: waiting for the slowest rank in collectives, "
+        f"ms a step (of {1000 * statistics.mean(seconds):.0f}): "
         + ", ".join(f"rank {r} {1000 * waits[r] / len(steps):.0f}" for r in sorted(waits)),
         flush=True,
     )
@@ -199,7 +201,8 @@ def compare(
     # the headline, a ratio of medians taken at different times.
     ours, peer = rates[headline]
     print(
-        f"ours / TRL, {headline} per second, each repetition: {' '.join(f'{o / p:.2f}' for o, p in zip(ours, peer))}"
+        f"ours / TRL, {headline} per second, each repetition: "
+        f"{' '.join(f'{o / p:.2f}' for o, p in zip(ours, peer))}"
     )
     print(
         f"ours / TRL, {headline} per second (median of {len(runs)}): "

@@ -76,7 +76,8 @@ class ClusterProfile(Section):
     name: str
     """Profile name (the --cluster value)."""
     launcher: Literal["srun", "torchrun"] = "srun"
-    """'srun': one task per rank (rank/world from the Slurm env); 'torchrun': one per node, c10d rendezvous."""
+    """'srun': one task per rank (rank/world from the Slurm env); 'torchrun': one per node, c10d
+    rendezvous."""
     gpus_per_node: int = 0
     """GPUs per node (0 on CPU clusters); with srun, tasks per node = GPUs per node."""
     gpu_name: str | None = None

@@ -55,7 +55,8 @@ class TinyModel(Section):
 
 class ModelConfig(Section):
     source: Literal["tiny", "hf"] = "tiny"
-    """'tiny': build a small Llama and a character tokenizer locally; 'hf': load a Hugging Face model directory."""
+    """'tiny': build a small Llama and a character tokenizer locally; 'hf': load a Hugging Face model
+    directory."""
     path: str | None = None
     """Hugging Face model directory (config.json, safetensors, tokenizer) when source is 'hf'."""
     tiny: TinyModel = TinyModel()
@@ -240,9 +241,8 @@ class GRPOStage(Section):
     decoder layer is its own unit, gathered and reduced on its own (on GPUs, a layer's collectives
     overlap its neighbours' compute). 'model': the whole model is one unit, one all-gather and one
     reduce-scatter a pass. On CPU ranks, where gloo's collectives overlap nothing, the fewer calls
-    are faster (2 CPU ranks of the tiny model: ~6% a GRPO step); with reshard_after_forward false
-    the whole model is gathered at once either way. The native engine's only: verl's FSDP2 always
-    makes each decoder layer a unit."""
+    are faster; with reshard_after_forward false the whole model is gathered at once either way. The
+    native engine's only: verl's FSDP2 always makes each decoder layer a unit."""
     old_log_probs: Literal["actor", "rollout"] = "actor"
     """Where the PPO ratio's old log-probabilities come from. 'actor': a forward of the actor over
     the rollout batch before the update (verl's default). 'rollout': those the rollout computed while

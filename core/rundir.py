@@ -1,4 +1,4 @@
-"""Paths of the run directory (DESIGN.md, "The run directory"): one place that knows the layout."""
+"""Paths of the run directory (docs/design.md, "The run directory"): one place that knows the layout."""
 
 from __future__ import annotations
 

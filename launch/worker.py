@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
         record_exception(run.logs(stage_id), info.rank, e)
         # Leave now: the other ranks wait in a collective until this process is gone, and an orderly
-        # exit (collecting torch/megatron/DeepSpeed's garbage) takes 5-20 s on a busy 2-core machine.
+        # exit (collecting torch/megatron/DeepSpeed's garbage) can take many seconds.
         leave_now(1)
     except SystemExit as e:
         if e.code != PREEMPTED_EXIT:

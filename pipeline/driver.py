@@ -1,6 +1,6 @@
 """The local driver: walk the stage graph, skip what is done, (re)start the rest.
 
-Resume rules (DESIGN.md): a done stage is never recomputed unless its inputs changed (then it and
+Resume rules (docs/design.md): a done stage is never recomputed unless its inputs changed (then it and
 the stages that read it run again, and the manifest says which input changed); a running or failed
 stage is started again and its ranks continue from the newest valid step checkpoint.
 """
@@ -167,7 +167,10 @@ def _outcome(evaluation: dict) -> str:
     """A generation stage reports how many of its samples it kept; a training stage its model's
     held-out accuracy."""
     if "kept" in evaluation:
-        return f"kept {evaluation['kept']} of {evaluation['n']} sampled answers (acceptance {evaluation['accuracy']:.3f})"
+        return (
+            f"kept {evaluation['kept']} of {evaluation['n']} sampled answers "
+            f"(acceptance {evaluation['accuracy']:.3f})"
+        )
     return f"held-out accuracy {evaluation['accuracy']:.3f} (n={evaluation['n']})"
 
 

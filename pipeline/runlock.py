@@ -35,7 +35,8 @@ def hold_run_dir(path: Path, echo=print, wait_s: float = 0.0):
         previous = _read(fd)
         if previous:
             echo(
-                f"hpcr1: note: {path} was left by {_describe(previous)}, which is no longer running; taking it over"
+                f"hpcr1: note: {path} was left by {_describe(previous)}, "
+                "which is no longer running; taking it over"
             )
         _write(
             fd,

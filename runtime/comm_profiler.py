@@ -1,5 +1,5 @@
-"""Records every torch.distributed collective and point-to-point call as one event (DESIGN.md,
-"Communication events"), whoever makes it: our code, megatron-core, DeepSpeed, DDP's C++ reducer,
+"""Records every torch.distributed collective and point-to-point call as one event (docs/design.md,
+"Events schema"), whoever makes it: our code, megatron-core, DeepSpeed, DDP's C++ reducer,
 FSDP2 and functional collectives.
 
 Why the dispatcher and not patched `torch.distributed` functions: every c10d call ends in a
@@ -16,9 +16,10 @@ recorded at their own level instead (completion observed at `wait_tensor`), and 
 
 Completion: the backend's Work future; its callback stamps `t_end` (gloo runs it when the transfer
 is done). Gloo's send/recv/reduce_scatter Works have no future: they are stamped when a Python
-`Work.wait()` of their kind returns (torch.distributed's synchronous calls wait at once). On CUDA the future completes at enqueue, but its callback runs with the current stream
-made to wait for the collective, so a CUDA event recorded there marks the GPU-side end; events are
-turned into wall-clock times at flush.
+`Work.wait()` of their kind returns (torch.distributed's synchronous calls wait at once). On CUDA
+the future completes at enqueue, but its callback runs with the current stream made to wait for the
+collective, so a CUDA event recorded there marks the GPU-side end; events are turned into wall-clock
+times at flush.
 
 Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
 they are as good as the nodes' clock synchronisation.
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from runtime.phases import current_phase
 
-# DESIGN.md's schema, plus async_op: whether the caller went on working while the call ran (the only
+# docs/design.md's schema, plus async_op: whether the caller went on working while the call ran (the only
 # calls whose time can overlap compute; analysis/overlap.py), and t_wait: when the caller began waiting
 # for an async call's result, where that is seen (functional collectives' wait_tensor), else null;
 # from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once); and
@@ -273,7 +274,7 @@ class CommProfiler:
         label, size_arg, pg_arg, peer_arg = C10D_OPS[name]
         names = [a.name for a in op._schema.arguments]
         async_arg = names.index("async_op") if "async_op" in names else None
-        call = op._op  # the C++ entry point, without OpOverload's Python-side checks (~5 us a call)
+        call = op._op  # the C++ entry point, without OpOverload's Python-side checks
 
         def kernel(*args):
             with torch._C._AutoDispatchBelowAutograd():

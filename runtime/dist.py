@@ -1,7 +1,7 @@
 """Rank and world discovery, and process-group initialisation.
 
 Ranks come from torchrun's env, then Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), then
-Open MPI's (OMPI_COMM_WORLD_*), in that order (DESIGN.md, Processes). The backend is nccl when
+Open MPI's (OMPI_COMM_WORLD_*), in that order (docs/design.md, Processes). The backend is nccl when
 CUDA is present and gloo otherwise.
 """
 
@@ -63,11 +63,10 @@ def shutdown_distributed() -> None:
     """Wait for every rank, then destroy the process groups: call it last, outside backward.
 
     Both halves keep a rank from aborting at exit ("terminate called without an active
-    exception"). Without the destroy, DeepSpeed ZeRO-3 bf16 runs sometimes abort (cpu-facts.md).
-    Without the barrier, a rank that leaves right after its last backward collective races a gloo
-    worker thread: the work it just ran captured backward's thread-local Python context, freeing it
-    needs the GIL, and once the interpreter is finalising that thread is killed mid-destructor
-    (15% of runs of tests/dist/workers/comm_ops.py, 0 of 40 with the barrier). Waiting at the
+    exception"). Without the destroy, DeepSpeed ZeRO-3 bf16 runs sometimes abort. Without the
+    barrier, a rank that leaves right after its last backward collective races a gloo worker thread:
+    the work it just ran captured backward's thread-local Python context, freeing it needs the GIL,
+    and once the interpreter is finalising that thread is killed mid-destructor. Waiting at the
     barrier releases the GIL while the slower ranks finish, so the worker threads are done first.
     """
     if dist.is_initialized():

@@ -1,6 +1,7 @@
 """Checkpoint-and-requeue on a signal. Slurm sends USR1 (`--signal=B:USR1@s`, forwarded by the
-stage driver to every rank) before a time limit; each rank only sets a flag, and the training loops ask at every step boundary whether any rank was signalled, so all
-ranks stop after the same step, checkpoint together and exit with PREEMPTED_EXIT."""
+stage driver to every rank) before a time limit; each rank only sets a flag, and the training loops
+ask at every step boundary whether any rank was signalled, so all ranks stop after the same step,
+checkpoint together and exit with PREEMPTED_EXIT."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def stop_requested() -> bool:
 def leave_for_requeue() -> NoReturn:
     """Leave with PREEMPTED_EXIT, the checkpoint sealed on every rank. Under `srun --kill-on-bad-exit`
     the first rank out (75 is a bad exit to srun) gets the others a SIGTERM while they still tear
-    down, and srun reports the highest code, 143: the driver took a stage stopped for its requeue
-    for a failed one (seen in CI). So the ranks leave right after shutdown's barrier, without the
+    down, and srun reports the highest code, 143: the driver would take a stage stopped for its
+    requeue for a failed one. So the ranks leave right after shutdown's barrier, without the
     interpreter's finalisation (launch/worker.py), and a TERM before that means the step is over:
     the rank leaves with the same code, and srun reports 75."""
     signal.signal(signal.SIGTERM, _exit_preempted)

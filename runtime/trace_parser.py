@@ -1,4 +1,4 @@
-"""torch.profiler chrome traces -> communication events of the DESIGN.md schema (source "trace"),
+"""torch.profiler chrome traces -> communication events of the docs/design.md schema (source "trace"),
 so traces made elsewhere (verl's torch profiler, say) feed the same report.
 
 NCCL traces: one `record_param_comms` cpu_op per call carries the collective's name, message sizes,

@@ -4,12 +4,13 @@ tokens only.
 
 Our own loop rather than HF `generate`, which on the embedded default's tiny model spends much of
 its time on work per token that is not the model's arithmetic (bench/generation_vs_hf.py has the
-profile and the ratio). The loop reads the module's weights at every call (so the rollout's `load_weights` applies)
-and its rotary embedding (so every static RoPE type, Llama 3's included, is the module's own), and
-samples like HF: logits in fp32, divided by the temperature, then top-p (nucleus, at least one
-token kept), one `torch.multinomial` draw per row and step from the global torch RNG, so the same
-seed draws the same tokens as `generate` with `top_k=0`. No top-k: `generate`'s default of 50 was
-never asked for, and the GRPO loss's log-probs are those of the untruncated tempered softmax.
+profile and the ratio). The loop reads the module's weights at every call (so the rollout's
+`load_weights` applies) and its rotary embedding (so every static RoPE type, Llama 3's included, is
+the module's own), and samples like HF: logits in fp32, divided by the temperature, then top-p
+(nucleus, at least one token kept), one `torch.multinomial` draw per row and step from the global
+torch RNG, so the same seed draws the same tokens as `generate` with `top_k=0`. No top-k:
+`generate`'s default of 50 was never asked for, and the GRPO loss's log-probs are those of the
+untruncated tempered softmax.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class Decoder:
         (b, self.prompt_len), max_len = input_ids.shape, input_ids.shape[1] + max_new_tokens
         # Laid out for the decode step's batched matmuls: a layer's keys up to any length are one
         # [b * kv_heads, head_dim, length] view (transposed: the matmul reads them as they lie,
-        # ~1.5x faster than from [.., length, head_dim]), its values one [b * kv_heads, length, head_dim].
+        # faster than from [.., length, head_dim]), its values one [b * kv_heads, length, head_dim].
         shape = (len(self.layers), b, self.kv_heads)
         self.keys = torch.empty(*shape, self.head_dim, max_len, dtype=weight.dtype, device=device)
         self.values = torch.empty(*shape, max_len, self.head_dim, dtype=weight.dtype, device=device)
@@ -150,7 +151,7 @@ class Decoder:
     def step(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """New token t [b] in; one query per row against the cache. The query heads that share a
         key/value head are read as that head's queries, so the cache is used as it lies: two batched
-        matmuls over [b * kv_heads] (sdpa's CPU kernel spent ~0.35 ms a call on these shapes, ~5x)."""
+        matmuls over [b * kv_heads] (sdpa's CPU kernel is several times slower on these shapes)."""
         length, b, nkv = self.prompt_len + t + 1, token.shape[0], self.kv_heads
         bias = self.key_bias[:, None, :length].repeat_interleave(nkv, dim=0)  # [b * kv_heads, 1, length]
 
@@ -245,10 +246,11 @@ class TokenScores:
         self.entropy = torch.zeros(batch, max_new_tokens, device=device)
 
     def record(self, tempered: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
-        """Step t: the tempered logits of the rows still decoding [len(rows), vocab], every row's token [batch]."""
+        """Step t: the tempered logits of the rows still decoding [len(rows), vocab], every row's
+        token [batch]."""
         # verl's log_softmax + gather over all rows at once: without flash-attn, `logprobs_from_logits`
-        # bounds the memory of [rows, length, vocab] logits by looping over the rows, which [rows, vocab]
-        # does not need (one logsumexp per row and step was ~0.1 s of a 0.45 s rollout); the log-prob
+        # bounds the memory of [rows, length, vocab] logits by looping over the rows (one logsumexp per
+        # row and step, a large share of the rollout), which [rows, vocab] does not need; the log-prob
         # passes bound it with chunks of rows instead (stages/grpo/logprobs.token_log_probs)
         self.log_probs[rows, t] = logprobs_from_logits_naive(tempered, tokens[rows])
         self.entropy[rows, t] = entropy_from_logits(tempered)

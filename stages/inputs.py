@@ -70,17 +70,11 @@ def _build_tiny_model(cfg: RunConfig, out_dir: Path) -> None:
     from stages.models.tiny import build_tiny_llama
 
     tokenizer = build_char_tokenizer(out_dir)
-    t = cfg.model.tiny
     build_tiny_llama(
         out_dir,
         vocab_size=TINY_VOCAB_SIZE,
-        hidden_size=t.hidden_size,
-        num_layers=t.num_layers,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads,
-        ffn_hidden_size=t.ffn_hidden_size,
-        max_position_embeddings=t.max_position_embeddings,
         seed=cfg.seed,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **cfg.model.tiny.model_dump(),
     )

@@ -1,16 +1,15 @@
 """Lets megatron-core 0.16.1 run on a CPU-only machine (gloo), for tests and the embedded default.
 
-Every failure of megatron-core on CPU is a hard-coded CUDA call, not CUDA work
-(notes/cpu-facts.md): `torch.cuda.current_device()` when placing rotary tables and p2p shape
-messages, `device="cuda"` in the default causal mask and the pipeline schedules' token counters,
-and the CUDA RNG API in the RNG tracker (whose deferred `_lazy_call` never fires without CUDA, so
-stream switching would silently do nothing).
+Every failure of megatron-core on CPU is a hard-coded CUDA call, not CUDA work:
+`torch.cuda.current_device()` when placing rotary tables and p2p shape messages, `device="cuda"`
+in the default causal mask and the pipeline schedules' token counters, and the CUDA RNG API in the
+RNG tracker (whose deferred `_lazy_call` never fires without CUDA, so stream switching would
+silently do nothing).
 
 Instead of a global TorchFunctionMode (which pays on every op of every module), the few modules
 that make these calls see a `torch` whose `torch.cuda` answers with the CPU device and the CPU
 generator, and whose tensor factories turn a cuda device into the CPU; nothing outside those
-modules changes. Measured on the tiny Llama: ~70 proxied lookups (~2 us each) per
-forward+backward, about 0.1% of the step; a device-rewriting TorchFunctionMode cost ~5%.
+modules changes.
 
 On CPU the "CUDA" generator the tracker forks IS the default CPU generator, so
 `model_parallel_cuda_manual_seed` reseeds it and per-TP-rank streams really switch (with dropout,

@@ -88,8 +88,7 @@ def _rebuild_rotary_buffers(model: torch.nn.Module, device: torch.device) -> Non
 def gathered_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """The parameters whole on every rank inside the block, by name (read them, do not keep them):
     each FSDP unit gathers all its parameters in one all-gather, where a full state dict gathers
-    them one at a time (4.5x the time on the tiny model over gloo). Every rank must enter it;
-    leaving reshards every unit."""
+    them one at a time. Every rank must enter it; leaving reshards every unit."""
     for unit in _units(model):
         unit.unshard()
     try:

@@ -69,7 +69,7 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool =
     micro-batch, and (`cut_where_halved`) a row less than half as long as its micro-batch's longest
     starts the next one (with them, it would be mostly padding). GRPO's responses often fall into a
     short and a long kind (an answer alone, or worked out first): cut by count alone, a micro-batch
-    straddling the two forwarded up to 5x its tokens (2 ranks of the default: ~1.3x over the batch)."""
+    straddling the two would forward mostly padding."""
     order = torch.argsort(lengths, descending=True, stable=True)
     sorted_lengths = lengths[order].tolist()
     groups, start = [], 0
@@ -87,13 +87,11 @@ def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool =
 
 def most_over_ranks(count: int, device: torch.device) -> int:
     """The largest `count` of any rank, so that every rank makes as many forwards. Where FSDP2
-    reshards after every forward, each forward all-gathers: a rank with one forward fewer leaves the
-    others waiting in an all-gather for good (seen: one more forward forced on rank 1 hung). There
-    micro-batches are cut by count and every rank holds as many rows, so the counts agree anyway;
-    this makes sure. Where prompts are shared (layers kept whole) the counts differ where lengths
-    halve (1 pass in 120 on the default) and that is harmless: one all-gather the first forward and
-    one reduce-scatter or all-reduce a backward whatever the forwards (checked for FSDP2: the same
-    update with one more forward on rank 1), so no rank waits for the others to agree on them."""
+    reshards after every forward, each forward all-gathers, and a rank with one forward fewer would
+    leave the others waiting in an all-gather for good; micro-batches there are cut by count over
+    equal rows, so the counts agree anyway, and this makes sure. Where prompts are shared (layers
+    kept whole) the counts may differ, harmlessly: one all-gather the first forward and one
+    reduce-scatter or all-reduce a backward, whatever the forwards."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return count
     most = torch.tensor([count], device=device)

@@ -2,10 +2,9 @@
 (stages/generation.py).
 
 It keeps its own unsharded copy of the policy (as verl's rollout engine does) that `load_weights`
-overwrites with the actor's current parameters before every rollout. Measured on the tiny model
-(2 ranks, CPU): generating inside the FSDP2 module costs 3.6x a plain module (per-layer all-gathers
-and hooks at every decoding step; still 2x when kept unsharded), while gathering the full
-weights into the copy takes ~1/6 of a plain generate.
+overwrites with the actor's current parameters before every rollout: generating inside the FSDP2
+module pays per-layer all-gathers and hooks at every decoding step (hooks even when kept
+unsharded), far more than gathering the full weights into the copy once.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class _SymbolicWorker:
     def __init__(self):
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
-        self.ready = False  # the child has said "ready" (its imports and math_verify's set-up take ~0.7 s)
+        self.ready = False  # the child has said "ready" (after its imports and math_verify's set-up)
         self.unavailable = False
 
     def start(self) -> None:
@@ -162,5 +162,5 @@ atexit.register(_SYMBOLIC.stop)
 
 def start_symbolic_worker() -> None:
     """Start math_verify's process now, in the background: a trainer calls this before loading its
-    models, so that its first non-numeric answer does not wait ~0.7 s for the process to start."""
+    models, so that its first non-numeric answer does not wait for the process to start."""
     _SYMBOLIC.start()

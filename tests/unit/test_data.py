@@ -156,7 +156,8 @@ ROWS_AND_EXAMPLES = [
             "data:3",
             "How many clips?",
             "1072",
-            "<think>Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May."
+            "<think>Natalia sold 48/2 = 24 clips in May.\n"
+            "Natalia sold 48+24 = 72 clips altogether in April and May."
             "</think><answer>1072</answer>",
         ),
     ),

@@ -58,6 +58,7 @@ def test_states_and_step_peaks_match_the_formulas_within_25_percent():
     for name, formula in (("states_peak_bytes", states), ("step_peak_bytes", step)):
         ratio = measured[name] / formula
         print(
-            f"{name}: measured {measured[name] / 1e6:.0f} MB, formula {formula / 1e6:.0f} MB, ratio {ratio:.3f}"
+            f"{name}: measured {measured[name] / 1e6:.0f} MB, "
+            f"formula {formula / 1e6:.0f} MB, ratio {ratio:.3f}"
         )
         assert abs(ratio - 1) <= TOLERANCE, (name, ratio)

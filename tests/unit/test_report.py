@@ -143,7 +143,8 @@ def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
     assert title not in sft
     header, *rows = markdown_table(grpo, title)
     assert header[1::3] == ["policy_update calls", "policy_logprob calls", "reference_logprob calls"]
-    # write_stage: one all-reduce and one all-gather a phase and step, 3 steps; the two ranks spend 25 + 5 ms a call
+    # write_stage: one all-reduce and one all-gather a phase and step, 3 steps;
+    # the two ranks spend 25 + 5 ms a call
     assert rows == [
         ["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
         ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3],
@@ -197,7 +198,7 @@ def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_erro
     dom = subprocess.run(
         [*base, "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True, timeout=120
     ).stdout
-    console = [l for l in shot_run.stderr.splitlines() if "CONSOLE" in l or "Uncaught" in l]
+    console = [line for line in shot_run.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert console == []
     figures = len(list(report.glob("*.png")))
     assert f'data-figures="{figures}"' in dom and 'data-broken-figures="0"' in dom
