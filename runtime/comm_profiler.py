@@ -1,5 +1,5 @@
 """Records every torch.distributed collective and point-to-point call as one event (docs/design.md,
-"Events schema"), whoever makes it: our code, megatron-core, DeepSpeed, DDP's C++ reducer,
+"Communication events"), whoever makes it: our code, megatron-core, DeepSpeed, DDP's C++ reducer,
 FSDP2 and functional collectives.
 
 Why the dispatcher and not patched `torch.distributed` functions: every c10d call ends in a

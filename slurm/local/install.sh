@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages of a single-node Slurm (munge, slurmctld, slurmd, clients) and
 # Open MPI, idempotently. Open MPI goes first: installing it under a running slurmd left the node
-# hung in COMPLETING (notes/cpu-facts.md).
+# hung in COMPLETING.
 set -euo pipefail
 need=()
 command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
