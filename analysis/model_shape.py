@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import ConfigError, RunConfig, TinyModel, resolve_path
+from core.config import ConfigError, RunConfig, TinyModel, hf_config_json
 
 # Bytes per element of the dtypes a checkpoint is stored in (config.json's torch_dtype / dtype).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -118,11 +118,4 @@ def model_shape(cfg: RunConfig, config_dir: Path) -> LlamaShape:
     """The base model's shape: built from `model.tiny`, or read from `model.path`/config.json."""
     if cfg.model.source == "tiny":
         return tiny_shape(cfg.model.tiny)
-    if cfg.model.path is None:
-        raise ConfigError("model.path", "required when model.source is 'hf'")
-    config_json = resolve_path(config_dir, cfg.model.path) / "config.json"
-    if not config_json.is_file():
-        raise ConfigError(
-            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
-        )
-    return shape_from_hf_config(config_json)
+    return shape_from_hf_config(hf_config_json(cfg, config_dir))

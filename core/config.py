@@ -468,6 +468,18 @@ def _apply_override(raw: dict, item: str) -> None:
         raise ConfigError(key, f"override value {value!r} is not valid YAML") from None
 
 
+def hf_config_json(cfg: RunConfig, base: Path) -> Path:
+    """The config.json of the Hugging Face model directory `model.path` (relative to `base`)."""
+    if cfg.model.path is None:
+        raise ConfigError("model.path", "required when model.source is 'hf'")
+    config_json = resolve_path(base, cfg.model.path) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(
+            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
+        )
+    return config_json
+
+
 def model_dims(cfg: RunConfig, base: Path) -> dict:
     """Heads, KV heads, layers and vocabulary of the base model, for layout checks."""
     if cfg.model.source == "tiny":
@@ -479,14 +491,7 @@ def model_dims(cfg: RunConfig, base: Path) -> dict:
             "num_hidden_layers": t.num_layers,
             "vocab_size": 128,
         }
-    if cfg.model.path is None:
-        raise ConfigError("model.path", "required when model.source is 'hf'")
-    config_json = resolve_path(base, cfg.model.path) / "config.json"
-    if not config_json.is_file():
-        raise ConfigError(
-            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
-        )
-    hf = json.loads(config_json.read_text())
+    hf = json.loads(hf_config_json(cfg, base).read_text())
     return {
         k: hf.get(k, hf.get("num_attention_heads"))
         for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
