@@ -69,13 +69,7 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
         weight_decay=0.0,
         max_grad_norm=stage.grad_clip,
         max_steps=int(steps) * updates,
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1 << 30,
-        save_strategy="no",
-        report_to=[],
-        seed=cfg.seed,
-        dataloader_num_workers=0,
+        **versus.trl_cpu_args(cfg.seed),
     )
     generated = [0]
 

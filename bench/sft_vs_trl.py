@@ -52,13 +52,7 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
         max_grad_norm=stage.grad_clip,
         max_length=stage.max_seq_len + 1,
         completion_only_loss=True,
-        use_cpu=True,
-        bf16=False,
-        logging_steps=1 << 30,
-        save_strategy="no",
-        report_to=[],
-        seed=cfg.seed,
-        dataloader_num_workers=0,
+        **versus.trl_cpu_args(cfg.seed),
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trained_tokens = [0]

@@ -150,6 +150,20 @@ def peer_setup(run_dir: str, stage_id: str):
     return run, cfg, stage, run.model_dir(stage.init_from)
 
 
+def trl_cpu_args(seed: int) -> dict:
+    """The TRL trainer arguments both peers share: fp32 on the CPU, no logging, saving or reporting
+    that our side does not do either, data loading in the training process, our seed."""
+    return {
+        "use_cpu": True,
+        "bf16": False,
+        "logging_steps": 1 << 30,
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": seed,
+        "dataloader_num_workers": 0,
+    }
+
+
 def trainer_clock(every: int, take_units):
     """A transformers TrainerCallback that records a Step every `every` optimizer steps: the wall
     time since the previous one (or since training began) and take_units(), what they processed."""
