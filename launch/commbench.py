@@ -30,7 +30,12 @@ def parse_size(text: str) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hpcr1 commbench", description=__doc__)
-    p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default="gloo")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl", "mpi"),
+        default="auto",
+        help="auto: the node's accelerator's (nccl on a GPU node), else gloo",
+    )
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {', '.join(OPS)}")
     p.add_argument(
         "--sizes", default=DEFAULT_SIZES, help="bytes S per call, comma-separated (K/M/G suffixes)"
@@ -88,11 +93,13 @@ def run_torch(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from runtime.dist import init_distributed, shutdown_distributed
+    from runtime.dist import init_distributed, rank_device, shutdown_distributed
 
-    info = init_distributed(args.backend)
-    device = torch.device("cuda", info.local_rank) if args.backend == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if args.backend == "nccl" else (lambda: None)
+    info = init_distributed(None if args.backend == "auto" else args.backend)
+    backend = dist.get_backend()
+    # Every buffer, the timing too, on the device the backend serves: nccl refuses CPU tensors.
+    device = torch.device("cpu") if backend == "gloo" else rank_device()
+    sync = (lambda: None) if device.type == "cpu" else torch.accelerator.synchronize
     results = {}
     for op in args.ops:
         rows = []
@@ -106,12 +113,12 @@ def run_torch(args) -> dict:
             for _ in range(args.iters):
                 call()
             sync()
-            elapsed = torch.tensor([(time.perf_counter() - started) / args.iters])
+            elapsed = torch.tensor([(time.perf_counter() - started) / args.iters], device=device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the call is as slow as its slowest rank
             rows.append(result_row(op, nbytes, elapsed.item(), info.world_size))
         results[op] = rows
     shutdown_distributed()
-    return {"backend": args.backend, "world_size": info.world_size, "rank": info.rank, "results": results}
+    return {"backend": backend, "world_size": info.world_size, "rank": info.rank, "results": results}
 
 
 # ---- MPI -------------------------------------------------------------------------------------
@@ -168,7 +175,22 @@ def under_launcher() -> bool:
     return any(k in os.environ for k in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"))
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """The arguments for the ranks: --nproc is the launcher's (torchrun also refuses it as an ambiguous
+    prefix of its own --nproc-per-node anywhere on its command line)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def relaunch(args, argv: list[str]) -> int:
+    argv = without_nproc(argv)
     me = [sys.executable, "-m", "launch.commbench", *argv]
     if args.backend == "mpi":
         cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(args.nproc), *me]

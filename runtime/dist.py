@@ -1,8 +1,12 @@
 """Rank and world discovery, and process-group initialisation.
 
 Ranks come from torchrun's env, then Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), then
-Open MPI's (OMPI_COMM_WORLD_*), in that order (docs/design.md, Processes). The backend is nccl when
-CUDA is present and gloo otherwise.
+Open MPI's (OMPI_COMM_WORLD_*), in that order (docs/design.md, Processes).
+
+One device per rank: the machine's accelerator (torch.accelerator: CUDA, or any device registered
+as PyTorch's accelerator) at the rank's local index, else the CPU. The default group uses that
+device's backend alone (nccl on CUDA, gloo on the CPU), so every tensor that enters a collective
+must be on `rank_device()`: docs/design.md, Devices, says why there is no CPU side group.
 """
 
 from __future__ import annotations
@@ -40,8 +44,23 @@ def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
     return RankInfo(0, 1, 0, "single")
 
 
+def accelerator_type() -> str | None:
+    """'cuda' on a GPU node (or the type of another registered accelerator); None on a CPU-only one."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    return None if acc is None else acc.type
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on and its collectives carry: the accelerator index that
+    init_distributed selected (its local rank), else the CPU."""
+    kind = accelerator_type()
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
+
+
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return dist.get_default_backend_for_device(accelerator_type() or "cpu")
 
 
 def init_distributed(backend: str | None = None) -> RankInfo:
@@ -53,8 +72,8 @@ def init_distributed(backend: str | None = None) -> RankInfo:
     os.environ.setdefault("MASTER_PORT", "29500")
     # DeepSpeed and megatron read the torchrun variables; under srun or mpirun only ours know them.
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(info.local_rank)
+    if accelerator_type() is not None:
+        torch.accelerator.set_device_index(info.local_rank)
     dist.init_process_group(backend or default_backend(), rank=info.rank, world_size=info.world_size)
     return info
 

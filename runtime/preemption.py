@@ -12,6 +12,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from runtime.dist import rank_device
+
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" — the driver requeues instead of failing
 _signalled = False
 
@@ -29,7 +31,7 @@ def install_handlers() -> None:
 
 def stop_requested() -> bool:
     """True on every rank if any rank was signalled (a collective: call it on all ranks)."""
-    flag = torch.tensor([1 if _signalled else 0])
+    flag = torch.tensor([1 if _signalled else 0], device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())

@@ -1,5 +1,6 @@
 """Held-out accuracy: greedy answers scored by the task's verifiable reward. Under torch.distributed
-each rank scores its share of the examples and the counts are summed."""
+each rank scores its share of the examples, with the model in its own dtype on the rank's device,
+and the counts are summed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from runtime.dist import rank_device
 from stages.data.examples import Example
 from stages.generation import generate_responses
 from stages.rewards.math_reward import score
@@ -17,14 +19,15 @@ from stages.rewards.math_reward import score
 def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, batch_size: int = 50) -> dict:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = examples[rank::world]
-    counts = torch.zeros(3, dtype=torch.float64)  # correct, well-formed, scored
+    device = next(model.parameters()).device
+    counts = torch.zeros(3, dtype=torch.float64, device=device)  # correct, well-formed, scored
     model.eval()
     for i in range(0, len(mine), batch_size):
         chunk = mine[i : i + batch_size]
         responses = generate_responses(model, tokenizer, [ex.prompt for ex in chunk], max_new_tokens)
         for ex, response in zip(chunk, responses):
             s = score(response, ex.answer)
-            counts += torch.tensor([s.correct, s.format_ok, 1], dtype=torch.float64)
+            counts += torch.tensor([s.correct, s.format_ok, 1], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(counts)
     correct, well_formed, n = counts.tolist()
@@ -35,5 +38,5 @@ def evaluate_model_dir(
     model_dir: Path, examples: list[Example], max_new_tokens: int, batch_size: int = 50
 ) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(rank_device())
     return evaluate(model, tokenizer, examples, max_new_tokens, batch_size)

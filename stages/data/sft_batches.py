@@ -29,6 +29,18 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [b, s] 1.0 where the label is a response token
     position_ids: torch.Tensor  # [b, s]
 
+    def to(self, device: torch.device) -> MicroBatch:
+        """On the model's device; from page-locked memory on CUDA, so the copy overlaps the step."""
+        if device.type == "cpu":
+            return self
+        pinned = device.type == "cuda"
+        return MicroBatch(
+            *(
+                (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+                for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids)
+            )
+        )
+
 
 def tokenize_examples(tokenizer, examples: list[Example], max_seq_len: int) -> list[Sample]:
     samples = []

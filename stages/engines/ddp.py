@@ -16,13 +16,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from stages.engines.fsdp2 import local_device
+from runtime.dist import rank_device
 
 
 def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
     """The model of `hf_dir` in fp32, whole on this rank; trainable, wrapped in DDP (which starts
     every rank from rank 0's weights). Frozen, it is also the rollout's and the synthesis's copy."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(local_device())
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(rank_device())
     model.requires_grad_(trainable)
     model.train(trainable)
     if not trainable:

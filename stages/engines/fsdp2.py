@@ -25,15 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from runtime.dist import rank_device
 from stages.models.hf_files import HFCheckpoint
-
-
-def local_device() -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
 
 
 def load_sharded(
@@ -41,7 +34,7 @@ def load_sharded(
 ) -> torch.nn.Module:
     """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer, or
     with `units="model"` one for the whole model); each rank reads only its own rows of each tensor."""
-    device = local_device()
+    device = rank_device()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     model.requires_grad_(trainable)

@@ -21,6 +21,7 @@ from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoConfig
 
 from core.config import SFTStage
+from runtime.dist import rank_device
 from runtime.phases import phase
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
@@ -81,6 +82,7 @@ def deepspeed_config(stage: SFTStage, dp_size: int) -> dict:
 class MegatronDeepSpeedEngine:
     def __init__(self, hf_dir: Path, stage: SFTStage, seed: int):
         apply_cpu_shim()
+        self.device = rank_device()
         p = stage.parallel  # pp == 1 and zero_stage < 3: checked by the config
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp
@@ -113,8 +115,8 @@ class MegatronDeepSpeedEngine:
 
     def train_step(self, micro_batches: list[MicroBatch], global_loss_tokens: int) -> dict:
         """Forward/backward every micro-batch of this rank, then one optimizer step."""
-        loss_sum = torch.zeros(())
-        for mb in micro_batches:
+        loss_sum = torch.zeros((), device=self.device)
+        for mb in (m.to(self.device) for m in micro_batches):
             with phase("forward"):
                 token_losses = self.engine(
                     input_ids=mb.input_ids,

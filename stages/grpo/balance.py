@@ -47,7 +47,7 @@ def balance_across_ranks(batch: DataProto, mini_batches: int, group_size: int) -
 def gather(batch: DataProto) -> list[DataProto]:
     """Every rank's batch, in rank order, padded to the widest prompt and response of any rank."""
     prompt, response = batch.batch["prompts"].shape[1], batch.batch["responses"].shape[1]
-    widths = torch.tensor([prompt, response])
+    widths = torch.tensor([prompt, response], device=batch.batch["responses"].device)
     dist.all_reduce(widths, op=dist.ReduceOp.MAX)
     padded = padded_to(batch, *widths.tolist())
     device = batch.batch["responses"].device

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from verl.protocol import DataProto
 
+from runtime.dist import rank_device
 from stages.data.examples import Example
 from stages.data.tokenizer import encode_prompt
 from stages.engines.ddp import load_replicated
-from stages.engines.fsdp2 import local_device
 from stages.generation import TokenScores, generate_tokens
 
 
@@ -57,7 +57,7 @@ class Rollout:
         ]  # once a prompt, not once a row
         prompt_ids = [ids for ids in encoded for _ in range(self.group_size)]
         scores = (
-            TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, local_device())
+            TokenScores(len(prompt_ids), self.max_new_tokens, self.temperature, rank_device())
             if self.with_log_probs
             else None
         )

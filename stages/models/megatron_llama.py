@@ -11,6 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from runtime.dist import rank_device
+
 # megatron-core's RotaryEmbedding hard-codes Llama 3.x's RoPE scaling except for its factor.
 LLAMA3_ROPE_FIXED = {
     "low_freq_factor": 1.0,
@@ -107,7 +109,8 @@ def transformer_config_from_hf(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        # megatron initialises directly on the GPU only through torch.cuda; elsewhere on the CPU.
+        use_cpu_initialization=rank_device().type != "cuda",
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -142,7 +145,7 @@ def build_megatron_llama(
         **rope_settings(hf_config),
     )
     # The local spec's torch RMSNorm is made in the default dtype on the default device, the
-    # linear layers in params_dtype (on the GPU where there is one): bring them together, as
-    # Megatron-LM's get_model and Float16Module do. (RoPE's inv_freq is no buffer: it stays fp32.)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    return model.to(device=device, dtype=params_dtype)
+    # linear layers in params_dtype (on the GPU where there is one): bring them together on the
+    # rank's device, as Megatron-LM's get_model and Float16Module do. (RoPE's inv_freq is no
+    # buffer: it stays fp32.)
+    return model.to(device=rank_device(), dtype=params_dtype)
