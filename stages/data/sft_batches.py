@@ -36,7 +36,8 @@ class MicroBatch:
         pinned = device.type == "cuda"
         return MicroBatch(
             *(
-                (t.pin_memory() if pinned else t).to(device, non_blocking=pinned)
+                # contiguous: the positions are an expanded view, which cannot be pinned
+                (t.contiguous().pin_memory() if pinned else t).to(device, non_blocking=pinned)
                 for t in (self.input_ids, self.labels, self.loss_mask, self.position_ids)
             )
         )

@@ -59,7 +59,7 @@ def response_log_probs(
     pieces = [_forward(model, t, prompts, rows, width, temperature, with_entropy) for rows in groups]
     order = torch.cat(groups)
     restore = torch.empty_like(order)
-    restore[order] = torch.arange(len(order))
+    restore[order] = torch.arange(len(order), device=order.device)
     log_probs = torch.cat([lp for lp, _ in pieces])[restore]
     return log_probs, torch.cat([e for _, e in pieces])[restore] if with_entropy else None
 

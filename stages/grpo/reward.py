@@ -24,7 +24,7 @@ class RuleReward:
         mask = batch.batch["response_mask"]
         last = mask.sum(dim=1).clamp(min=1) - 1
         rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        rewards[torch.arange(len(scores)), last] = torch.tensor(
+        rewards[torch.arange(len(scores), device=mask.device), last] = torch.tensor(
             [s.reward for s in scores], device=mask.device
         )
         return DataProto.from_dict(

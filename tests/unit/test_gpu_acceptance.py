@@ -1,0 +1,58 @@
+"""bench/gpu_acceptance.py where there is no GPU: it checks what it can, says that no GPU is present,
+lists every check as not run and exits 2; a bad --only exits 2 naming the checks; the figures it
+prints are read from what the checks wrote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+BENCH = REPO / "bench" / "gpu_acceptance.py"
+
+
+def run_bench(*args):
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_a_gpu_it_says_so_and_runs_nothing(tmp_path):
+    out = run_bench("--out", str(tmp_path / "acc"))
+    assert out.returncode == 2
+    assert "no GPU present" in out.stderr
+    rows = out.stdout.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["commbench", "sft_mfu", "pipeline", "report", "verl"]
+    assert all(r.split()[1:3] == ["NOT", "RUN"] for r in rows)
+    assert not (tmp_path / "acc").exists()
+
+
+def test_an_unknown_check_exits_2_naming_the_choices():
+    out = run_bench("--only", "commbench,nope")
+    assert out.returncode == 2
+    assert "choose from commbench, sft_mfu, pipeline, report, verl" in out.stderr
+
+
+def test_figures_come_from_what_the_checks_wrote(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_acceptance import commbench_figure, event_backends
+
+    bench = {
+        "backend": "nccl",
+        "world_size": 4,
+        "results": {
+            "all_reduce": [
+                {"bytes": 1 << 20, "latency_us": 40.0, "busbw_GBps": 39.3},
+                {"bytes": 256 << 20, "latency_us": 2100.0, "busbw_GBps": 191.7},
+            ]
+        },
+    }
+    assert commbench_figure(bench) == "nccl x4: all_reduce 256 MiB 2100 us, busbw 191.7 GB/s"
+    (tmp_path / "rank-00000.jsonl").write_text(
+        "\n".join(json.dumps({"op": "all_reduce", "backend": b}) for b in ("nccl", "gloo")) + "\n"
+    )
+    assert event_backends(tmp_path) == {"nccl", "gloo"}
