@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from analysis.model_shape import model_shape
+from analysis.native_fit import overflow_message, too_large
 from core.atomic import atomic_write_text
 from core.cluster import ClusterProfile
 from core.config import ConfigError, RunConfig, load_resolved
@@ -46,10 +48,22 @@ def submit(
         )
     for sid in verl_stages(cfg, only):
         check_verl_stage(cfg, run, sid, nodes, profile.gpus_per_node)
+    refuse_native_overflow(cfg, config_dir, profile, only)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
         return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
+
+
+def refuse_native_overflow(cfg: RunConfig, config_dir: Path, profile: ClusterProfile, only) -> None:
+    """A native-engine stage whose weights and states alone exceed one GPU of the profile: refused
+    before anything is queued (a CPU profile has no GPU memory to check)."""
+    if not profile.gpus_per_node or profile.gpu_memory_gib <= 0:
+        return
+    P = model_shape(cfg, config_dir).params()
+    stage_ids = [sid for sid in cfg.stages() if not only or sid in only]
+    for r in too_large(cfg, P, stage_ids, profile.gpu_memory_gib):
+        raise ConfigError(r.field, overflow_message(r, P, profile.gpu_memory_gib, profile.name))
 
 
 def _submit_stages(

@@ -1,0 +1,69 @@
+"""What the native engines hold on each GPU as they load today, before a single activation: a lower
+bound that a GPU must exceed for the stage to have any chance, checked before any job is queued.
+
+Native GRPO (stages/grpo): the actor and reference in fp32 (engines/ddp.py, engines/fsdp2.py), whole
+on every rank under DDP or sharded over the N ranks under FSDP2; the actor's gradients and AdamW's
+two states in fp32 likewise; the rollout's own whole fp32 copy (grpo/rollout.py); under FSDP2 the
+weight sync gathers every unit at once (fsdp2.gathered_parameters), a second whole fp32 copy for
+its duration. Native synthesis (stages/synth.py) loads one whole fp32 copy a rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config import GRPOStage, RunConfig, SynthStage
+
+FP32 = 4
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Residency:
+    stage_id: str
+    formula: str
+    """In P (parameters) and N (GPUs of the stage)."""
+    bytes: float
+    field: str
+    """The config field to change."""
+    instead: str
+    """What the user can do when it does not fit."""
+
+
+def grpo_residency(stage_id: str, g: GRPOStage, P: int, N: int) -> Residency:
+    instead = f"set {stage_id}.engine=verl (vLLM rollout, sharded bf16 actor with offload)"
+    if g.data_parallel == "ddp":  # actor 4+4+8, reference 4, rollout 4: all whole
+        formula = "24·P (ddp: fp32 actor, gradients, AdamW, reference, rollout)"
+        return Residency(stage_id, formula, 24 * P, f"{stage_id}.engine", instead)
+    # actor 4+4+8 and reference 4 over N; the rollout's copy and the sync's gathered copy whole
+    formula = "20·P/N + 8·P (fsdp2: sharded actor and reference, whole rollout and sync)"
+    return Residency(stage_id, formula, 20 * P / N + 8 * P, f"{stage_id}.engine", instead)
+
+
+def synth_residency(stage_id: str, P: int) -> Residency:
+    instead = "use larger GPUs or a smaller model: synthesis has no sharded engine yet"
+    return Residency(stage_id, "4·P (one whole fp32 copy a rank)", FP32 * P, stage_id, instead)
+
+
+def native_residencies(cfg: RunConfig, P: int, stage_ids: list[str]) -> list[Residency]:
+    """The native-engine stages among `stage_ids`, with what each holds a GPU."""
+    out = []
+    for sid in stage_ids:
+        stage = getattr(cfg, sid)
+        if isinstance(stage, GRPOStage) and stage.engine == "native":
+            out.append(grpo_residency(sid, stage, P, cfg.nproc))
+        elif isinstance(stage, SynthStage):
+            out.append(synth_residency(sid, P))
+    return out
+
+
+def too_large(cfg: RunConfig, P: int, stage_ids: list[str], gpu_gib: float) -> list[Residency]:
+    return [r for r in native_residencies(cfg, P, stage_ids) if r.bytes > gpu_gib * GiB]
+
+
+def overflow_message(r: Residency, P: int, gpu_gib: float, profile_name: str) -> str:
+    return (
+        f"the native engine holds {r.bytes / GiB:.1f} GiB a GPU before any activation "
+        f"({r.formula}, P = {P / 1e9:.2f}B), more than the {gpu_gib:g} GiB GPUs of cluster profile "
+        f"{profile_name!r}: {r.instead}"
+    )
