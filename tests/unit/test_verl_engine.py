@@ -25,6 +25,8 @@ from tests.conftest import REPO
 
 CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
 SHAPE_70B = "model.path=models/llama-3.3-70b"  # config.json only: enough for every check here
+CONFIG_8B = REPO / "configs" / "llama-3.1-8b.yaml"  # its GRPO runs on verl; synthesis fits a 40 GB GPU
+SHAPE_8B = "model.path=models/llama-3.1-8b"
 TRACE = Path(__file__).parent / "fixtures" / "nccl_trace_h100_torch211.json"
 # A small task in place of the 70B config's data files (which are placeholders).
 SMALL_DATA = [
@@ -179,22 +181,21 @@ def test_dry_run_submit_renders_the_verl_script_and_it_passes_shellcheck(tmp_pat
     rc = main(
         [
             "submit",
-            str(CONFIG_70B),
+            str(CONFIG_8B),
             "--cluster",
             "perlmutter",
             "--nodes",
-            "32",
+            "4",
             "--dry-run",
             "--run-dir",
             str(run),
-            SHAPE_70B,
+            SHAPE_8B,
             *SMALL_DATA,
-            "stage2_grpo.engine=verl",
         ]
     )
     assert rc == 0, capsys.readouterr().err
     verl_script = (run / "stage2_grpo" / "logs" / "stage2_grpo.sbatch").read_text()
-    native_script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
+    native_script = (run / "stage3_sft" / "logs" / "stage3_sft.sbatch").read_text()
     assert (
         "start --head" in verl_script
         and "--port=6379" in verl_script
