@@ -11,6 +11,7 @@ must be on `rank_device()`: docs/design.md, Devices, says why there is no CPU si
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -57,6 +58,14 @@ def rank_device() -> torch.device:
     if kind is None:
         return torch.device("cpu")
     return torch.device(kind, torch.accelerator.current_device_index())
+
+
+def release_cached_memory() -> None:
+    """Give what freed tensors held back to the device (the caching allocator keeps it otherwise),
+    e.g. between training and evaluating on the same GPU."""
+    gc.collect()
+    if accelerator_type() is not None:
+        torch.accelerator.empty_cache()
 
 
 def default_backend() -> str:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
+from runtime.dist import release_cached_memory
 from runtime.phases import phase
 from runtime.preemption import leave_for_requeue, stop_requested
 from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
@@ -99,6 +100,7 @@ def finish(ctx: StageContext, engine, init_dir) -> None:
         staging.rename(final)
     dist.barrier()
     engine.close()
+    release_cached_memory()
     ctx.log.info("exported %s", final)
     cfg = ctx.cfg
     examples = read_examples(ctx.run.task_file("eval"))[: cfg.eval.num_examples]

@@ -158,6 +158,10 @@ class MegatronDeepSpeedEngine:
         export_megatron_to_hf(self.engine.module, self.hf_config, out_dir, tokenizer_dir)
 
     def close(self) -> None:
+        """Free the model, its gradients and the optimizer's states before final/ is evaluated on
+        the same device."""
+        self.engine.destroy()
+        self.engine = None
         parallel_state.destroy_model_parallel()
 
 

@@ -32,6 +32,21 @@ class Roles:
     rollout: Rollout | None  # None where a test feeds fixed rollout batches
     reward: RuleReward
 
+    # The training loop's engine: checkpoints and final/ are the actor's.
+    def save(self, directory, trainer_state: dict) -> None:
+        self.actor.save(directory, trainer_state)
+
+    def load(self, directory) -> dict:
+        return self.actor.load(directory)
+
+    def export_hf(self, out_dir, tokenizer_dir) -> None:
+        self.actor.export_hf(out_dir, tokenizer_dir)
+
+    def close(self) -> None:
+        """Free every role's model before final/ is evaluated on the same devices."""
+        self.actor.close()
+        self.reference = self.rollout = None
+
 
 def build_roles(init_dir, tokenizer, stage) -> Roles:
     reward = RuleReward(stage.format_reward)  # first: its scoring process starts while the models load
@@ -136,7 +151,7 @@ def run(ctx: StageContext) -> None:
     samples = {"samples": stage.prompts_per_step * stage.group_size}
     train(
         ctx,
-        roles.actor,
+        roles,
         init_dir,
         lambda step: (train_step_at(roles, schedule, stage, cfg.seed, step), samples),
         lambda stats: {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"},
