@@ -73,6 +73,7 @@ def resolve() -> tuple[dict, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull
         cmd = [
+            # --quiet, oddly, is what lets urllib3's debug lines (one a response) into the log.
             sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
             "--report", str(report), "--log", str(log), "--cache-dir", str(Path(tmp, "cache")),
             "--index-url", INDEX, "--disable-pip-version-check",
@@ -82,8 +83,11 @@ def resolve() -> tuple[dict, str]:
             "-r", str(LOCK),
         ]  # fmt: skip
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, f"pip could not resolve {LOCK.name}:\n{out.stderr[-6000:]}"
-        return json.loads(report.read_text()), log.read_text()
+        text = log.read_text()
+        # On a conflict pip's log says what asks for what ("The conflict is caused by: ...").
+        why = text[text.rfind("The conflict is caused by") :][:3000] if "conflict is caused" in text else ""
+        assert out.returncode == 0, f"pip could not resolve {LOCK.name}:\n{out.stderr[-3000:]}\n{why}"
+        return json.loads(report.read_text()), text
 
 
 def test_the_gpu_lock_resolves_to_itself_and_torch_vllm_verl_agree():
