@@ -1,4 +1,5 @@
 # make setup: .venv with everything pinned; make run: the embedded default; make test: lint and the suite.
+# make setup-gpu: .venv-gpu for GPU nodes (CUDA torch, vLLM, verl), from requirements-gpu.lock.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
@@ -6,7 +7,7 @@ PYTEST_ARGS ?=
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup run lint test test-quick system-packages
+.PHONY: setup setup-gpu run lint test test-quick system-packages
 
 setup: .venv/.done
 
@@ -21,6 +22,31 @@ setup: .venv/.done
 	  echo "setup: refusing to finish: nvidia-* packages were installed (a CUDA torch slipped in)"; exit 1; fi
 	# DeepSpeed compiles its CPU shared-memory collective op on first use (~45 s): do it now, not in a stage.
 	$(PY) -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	touch $@
+
+# A venv of its own: verl's vllm extra and vLLM pin torch 2.11.0 (PyPI's CUDA 13 build), not .venv's
+# CPU torch 2.13.0, and `setup` refuses nvidia-* packages. Its .gitignore keeps git and ruff out of it.
+# The lock is resolved for Linux x86_64 CPython 3.11 (tests/unit/test_gpu_lock.py): PYTHON must be 3.11.
+PYTHON  ?= python3
+GPU_PIP := .venv-gpu/bin/pip
+
+setup-gpu: .venv-gpu/.done
+
+.venv-gpu/.done: requirements-gpu.lock pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
+	  (echo "setup-gpu: requirements-gpu.lock is for Python 3.11; run with PYTHON=python3.11"; exit 1)
+	$(PYTHON) -m venv .venv-gpu
+	echo '*' > .venv-gpu/.gitignore
+	$(GPU_PIP) install -q --upgrade pip
+	# No constraints.txt here: it pins the CPU torch. The lock holds every package, so pip adds none.
+	$(GPU_PIP) install -q -r requirements-gpu.lock
+	$(GPU_PIP) check
+	# --no-deps, and after the check: pyproject.toml's pins are the CPU side's (torch, transformers).
+	$(GPU_PIP) install -q --no-deps -e .
+	# Works on a login node (no GPU): a torch without CUDA here would mean the wrong wheel came in.
+	.venv-gpu/bin/python -c "import torch; from importlib.metadata import version as v; \
+	  assert torch.version.cuda, 'a CPU torch'; \
+	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', v('vllm'), 'verl', v('verl'))"
 	touch $@
 
 # Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.
