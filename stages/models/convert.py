@@ -5,7 +5,10 @@ megatron's layout: attention's Q, K, V fused into `linear_qkv`, interleaved per 
 gate and up fused into `linear_fc1` as [gate shard; up shard] per TP rank; row-parallel layers
 (`linear_proj`, `linear_fc2`) split on their input dimension; embedding and output layer split
 along the vocabulary; norms replicated. Pipeline stages hold consecutive layers renumbered from 0,
-the embedding on the first stage and the final norm and output layer on the last.
+the embedding on the first stage and the final norm and output layer on the last. A tied model
+(`tie_word_embeddings`, PP=1 only) has no output-layer weight on either side: megatron's output
+layer multiplies by the embedding's, and HF's directory holds no `lm_head.weight` (as
+save_pretrained writes it), so none is read or written.
 
 `shard_layout` is the one description of that layout: which rows or columns of which HF tensors
 make each tensor of a (tp, pp) shard. Two readers use it: `hf_to_megatron` (pure, from whole
@@ -27,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from stages.models.hf_files import MAX_SHARD_BYTES, HFCheckpoint, HFDirWriter, TensorSpec
-from stages.models.megatron_llama import head_dim, validate_parallel_layout
+from stages.models.megatron_llama import head_dim, tied_embeddings, validate_parallel_layout
 
 HF_LAYER = "model.layers.{}."
 MG_LAYER = "decoder.layers.{}."
@@ -100,7 +103,8 @@ def shard_layout(hf_config, tp_rank: int, tp_size: int, pp_rank: int, pp_size: i
         out[m + "pre_mlp_layernorm.weight"] = whole(h + "post_attention_layernorm.weight", hidden)
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = whole("model.norm.weight", hidden)
-        out["output_layer.weight"] = share("lm_head.weight", 0, vocab)
+        if not tied_embeddings(hf_config):
+            out["output_layer.weight"] = share("lm_head.weight", 0, vocab)
     return out
 
 
@@ -145,18 +149,20 @@ def stream_shard(
 @dataclass(frozen=True)
 class Unit:
     """A piece of the model that one pipeline stage holds whole: the embedding, one decoder layer
-    (`layer`, `local` its index on the stage), or the head (final norm and output layer)."""
+    (`layer`, `local` its index on the stage), or the head (final norm and output layer, which a
+    `tied` head lacks: it is the embedding)."""
 
     pp: int
     kind: str
     layer: int = 0
     local: int = 0
+    tied: bool = False
 
     def megatron_keys(self) -> list[str]:
         if self.kind == "embedding":
             return ["embedding.word_embeddings.weight"]
         if self.kind == "head":
-            return ["decoder.final_layernorm.weight", "output_layer.weight"]
+            return ["decoder.final_layernorm.weight"] + ([] if self.tied else ["output_layer.weight"])
         m = MG_LAYER.format(self.local)
         return [
             m + name
@@ -178,7 +184,7 @@ def model_units(hf_config, pp_size: int) -> list[Unit]:
         for pp in range(pp_size)
         for local, layer in enumerate(_layer_range(hf_config, pp, pp_size))
     ]
-    return [Unit(0, "embedding"), *layers, Unit(pp_size - 1, "head")]
+    return [Unit(0, "embedding"), *layers, Unit(pp_size - 1, "head", tied=tied_embeddings(hf_config))]
 
 
 def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,7 +202,8 @@ def unit_to_hf(unit: Unit, tp_shards: list[dict], hf_config) -> Iterator[tuple[s
         return
     if unit.kind == "head":
         yield "model.norm.weight", tp_shards[0]["decoder.final_layernorm.weight"]
-        yield "lm_head.weight", rows("output_layer.weight")
+        if not unit.tied:
+            yield "lm_head.weight", rows("output_layer.weight")
         return
     h, m = HF_LAYER.format(unit.layer), MG_LAYER.format(unit.local)
     yield from zip(
@@ -244,7 +251,7 @@ def hf_specs(hf_config, dtype: torch.dtype) -> list[TensorSpec]:
             for name, shape in layer.items()
         },
         "model.norm.weight": (hidden,),
-        "lm_head.weight": (vocab, hidden),
+        **({} if tied_embeddings(hf_config) else {"lm_head.weight": (vocab, hidden)}),
     }
     return [TensorSpec(name, shape, dtype) for name, shape in shapes.items()]
 

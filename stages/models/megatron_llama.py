@@ -1,6 +1,6 @@
 """A megatron-core GPTModel that is a Llama: RMSNorm, SwiGLU, RoPE (with Llama 3's scaling),
-grouped-query attention, no biases, untied embeddings — built from a Hugging Face LlamaConfig for
-the tensor/pipeline layout megatron's parallel_state holds."""
+grouped-query attention, no biases, the output layer tied to the input embedding or not — built
+from a Hugging Face LlamaConfig for the tensor/pipeline layout megatron's parallel_state holds."""
 
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def tied_embeddings(hf_config) -> bool:
+    """The output layer is the input embedding (Llama 3.2 1B/3B; 3.1 and 3.3 are untied)."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
 def unsupported_features(hf_config) -> list[str]:
     """What in the HF config this megatron Llama does not reproduce (empty when it is exact)."""
     problems = []
-    if getattr(hf_config, "tie_word_embeddings", False):
-        problems.append("tie_word_embeddings=True is not supported yet (Llama 3.1/3.3 are untied)")
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         problems.append("attention_bias/mlp_bias are not supported (Llama has no biases)")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -60,6 +63,10 @@ def validate_parallel_layout(hf_config, tp: int, pp: int) -> list[str]:
     ]
     if hf_config.num_hidden_layers % pp:
         problems.append(f"pp={pp} does not divide num_hidden_layers={hf_config.num_hidden_layers}")
+    if pp > 1 and tied_embeddings(hf_config):
+        # megatron would keep a second copy of the embedding on the last stage, kept equal to the
+        # first stage's only by megatron's own training loop (finalize_model_grads), not DeepSpeed's.
+        problems.append(f"pp={pp} with tie_word_embeddings=True is not supported: use pp=1")
     return problems
 
 
@@ -86,8 +93,11 @@ def transformer_config_from_hf(
 ) -> TransformerConfig:
     """The TransformerConfig of the HF Llama for parallel_state's layout; `overrides` are
     TransformerConfig fields (e.g. recompute_granularity, calculate_per_token_loss)."""
-    problems = unsupported_features(hf_config)
-    if problems:
+    sizes = _model_parallel_sizes()
+    problems = unsupported_features(hf_config) + validate_parallel_layout(
+        hf_config, sizes.get("tensor_model_parallel_size", 1), sizes.get("pipeline_model_parallel_size", 1)
+    )
+    if problems:  # refused before GPTModel is built, each problem named by its field
         raise ValueError("; ".join(problems))
     fields = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -115,7 +125,7 @@ def transformer_config_from_hf(
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        **_model_parallel_sizes(),
+        **sizes,
     )
     return TransformerConfig(**{**fields, **overrides})
 
@@ -140,7 +150,8 @@ def build_megatron_llama(
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=False,
+        # Tied, the output layer allocates no weight and multiplies by the embedding's (at PP=1).
+        share_embeddings_and_output_weights=tied_embeddings(hf_config),
         position_embedding_type="rope",
         **rope_settings(hf_config),
     )

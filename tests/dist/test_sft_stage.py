@@ -1,16 +1,23 @@
 """Stage 1 SFT through the real CLI on real ranks: parallel layouts give the losses of one rank,
-ZeRO stages agree, and a killed run resumes from its checkpoint to the same result."""
+ZeRO stages agree, a killed run resumes from its checkpoint to the same result, and a model whose
+output layer is tied to its embedding trains and exports tied."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.conftest import hpcr1_run, resumed_steps
+from stages.data.tokenizer import build_char_tokenizer
+from stages.inputs import TINY_VOCAB_SIZE
+from stages.models.hf_files import read_hf_weights, save_hf_dir
+from stages.models.tiny import build_tiny_llama
+from tests.conftest import SMALL_RUN, hpcr1_run, resumed_steps
 
 pytestmark = pytest.mark.dist
 
@@ -104,3 +111,37 @@ def test_bf16_with_zero2_tracks_fp32(runs):
     bf16 = losses(runs("dp2-bf16-zero2", "stage1_sft.dtype=bf16", "stage1_sft.parallel.zero_stage=2"))[:10]
     assert fp32 != bf16
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) < 0.005, (fp32, bf16)  # 0.07% seen
+
+
+@pytest.fixture(scope="module")
+def tied_and_untied_twins(tmp_path_factory) -> dict[bool, Path]:
+    """The same tiny model as HF directories, {tied: path}: tied (no lm_head.weight, as transformers
+    writes it), and untied with lm_head.weight a copy of the embedding."""
+    root = tmp_path_factory.mktemp("twins")
+    tokenizer = build_char_tokenizer(root / "base")
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    build_tiny_llama(root / "base", vocab_size=TINY_VOCAB_SIZE, seed=SMALL_RUN["seed"], **ids)
+    untied = read_hf_weights(root / "base")
+    untied["lm_head.weight"] = untied["model.embed_tokens.weight"].clone()
+    tied = {name: w for name, w in untied.items() if name != "lm_head.weight"}
+    twins = {}
+    for is_tied, weights in ((True, tied), (False, untied)):
+        twins[is_tied] = shutil.copytree(root / "base", root / f"tied-{is_tied}")  # tokenizer's files
+        config = AutoConfig.from_pretrained(root / "base")
+        config.tie_word_embeddings = is_tied
+        save_hf_dir(weights, config, twins[is_tied])
+    return twins
+
+
+def test_tied_model_trains_as_its_untied_twin_at_first_and_exports_tied(runs, tied_and_untied_twins):
+    """Step 1's loss is a forward of equal weights; after it the tied embedding has taken the output
+    layer's gradient too, so the twins part; final/ is tied as transformers reads it."""
+    trace = {
+        tied: losses(runs(f"tied-{tied}", "model.source=hf", f"model.path={path}", "stage1_sft.steps=3"))
+        for tied, path in tied_and_untied_twins.items()
+    }
+    assert trace[True][0] == trace[False][0] and trace[True][1] != trace[False][1], trace
+    final = runs("tied-True") / "stage1_sft" / "final"
+    assert "lm_head.weight" not in read_hf_weights(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight

@@ -29,6 +29,7 @@ CONFIG = LlamaConfig(
     tie_word_embeddings=False,
     rms_norm_eps=1e-5,
 )
+TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})  # Llama 3.2 1B/3B's head
 # Llama 3.1's RoPE scaling, with a base large enough that the scaling changes the low frequencies.
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -58,6 +59,18 @@ def test_round_trip_is_bit_exact(hf_model, tp, pp):
     assert back.keys() == hf.keys()
     for key, value in hf.items():
         assert torch.equal(back[key], value), key
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tied_round_trip_has_no_head_of_its_own(tp, tmp_path):
+    hf = random_llama(TIED)
+    hf.save_pretrained(tmp_path)  # what a tied checkpoint holds: no lm_head.weight
+    saved = read_hf_weights(tmp_path)
+    assert "lm_head.weight" not in saved
+    shards = [[hf_to_megatron(saved, TIED, t, tp, 0, 1) for t in range(tp)]]
+    assert all("output_layer.weight" not in shard for shard in shards[0])
+    back = megatron_to_hf(shards, TIED)
+    assert back.keys() == saved.keys() and all(torch.equal(back[k], v) for k, v in saved.items())
 
 
 @pytest.fixture(scope="module", params=["one_file", "sharded"])
@@ -129,6 +142,10 @@ def test_layout_problems_name_the_dimension_that_does_not_split(hf_model):
     for named in ("num_attention_heads=8", "num_key_value_heads=4", "vocab_size=128", "num_hidden_layers=4"):
         assert named in problems
     assert "intermediate_size" not in problems  # 96 splits in 3
+    assert validate_parallel_layout(TIED, tp=4, pp=1) == []
+    assert validate_parallel_layout(TIED, tp=1, pp=2) == [
+        "pp=2 with tie_word_embeddings=True is not supported: use pp=1"
+    ]
     with pytest.raises(ValueError, match="num_key_value_heads"):
         hf_to_megatron(hf_model.state_dict(), CONFIG, tp_rank=0, tp_size=8, pp_rank=0, pp_size=1)
 
@@ -136,13 +153,16 @@ def test_layout_problems_name_the_dimension_that_does_not_split(hf_model):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "RoPE scaling"),
     ],
 )
 def test_unsupported_configs_are_rejected_clearly(change, message):
     with pytest.raises(ValueError, match=message):
         transformer_config_from_hf(LlamaConfig(**{**CONFIG.to_dict(), **change}))
+
+
+def test_tied_embeddings_are_no_longer_refused():
+    assert transformer_config_from_hf(TIED).num_layers == 4
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +184,19 @@ def single_rank_megatron():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE], ids=["default_rope", "llama3_rope"])
-def test_megatron_logits_equal_hf_logits_at_non_pad_positions(tmp_path, single_rank_megatron, rope):
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072}, {"tie_word_embeddings": True}],
+    ids=["default_rope", "llama3_rope", "tied"],
+)
+def test_megatron_logits_equal_hf_logits_at_non_pad_positions(tmp_path, single_rank_megatron, change):
     from stages.models.convert import load_hf_into_megatron
     from stages.models.megatron_llama import build_megatron_llama
 
-    config = (
-        CONFIG
-        if rope is None
-        else LlamaConfig(**{**CONFIG.to_dict(), "rope_parameters": rope, "max_position_embeddings": 131072})
-    )
+    config = LlamaConfig(**{**CONFIG.to_dict(), **change})
     hf_model = random_llama(config)
+    # A tied model's state dict names the embedding twice: the directory then also holds an
+    # lm_head.weight, equal to it, which loading ignores.
     save_hf_dir(hf_model.state_dict(), config, tmp_path)
     model = build_megatron_llama(config).eval()
     load_hf_into_megatron(model, tmp_path)

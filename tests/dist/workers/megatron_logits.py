@@ -1,7 +1,8 @@
-"""Worker: on 2 ranks, for TP=2 and then PP=2, megatron's logits, loss and gradients vs Hugging
-Face's on the same weights (computed here, on every rank; the megatron model streams its shard
-from a sharded HF directory), the gathered shards converted back to the HF weights, the streamed
-export read back, and the RNG tracker's streams. Rank 0 prints every rank's findings as
+"""Worker: on 2 ranks, for TP=2 and then PP=2, and for a model whose output layer is tied to its
+embedding at TP=2, megatron's logits, loss and gradients vs Hugging Face's on the same weights
+(computed here, on every rank; the megatron model streams its shard from a sharded HF directory),
+the gathered shards converted back to the HF weights, the streamed export read back, and the RNG
+tracker's streams; the tied model at PP=2 is refused. Rank 0 prints every rank's findings as
 `RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
@@ -23,6 +24,7 @@ from tests.dist.workers.results import print_result
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})  # as Llama 3.2 1B/3B
 SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
 LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
 SHARD_BYTES = 50_000  # several files and an index, as a big model's directory has
@@ -97,14 +99,19 @@ def megatron_loss_and_backward(model, ids, labels, loss_mask) -> float | None:
     return sum(o["loss"] for o in outputs).item() if parallel_state.is_pipeline_last_stage() else None
 
 
-def hf_model() -> LlamaForCausalLM:
+def hf_model(config: LlamaConfig) -> LlamaForCausalLM:
     torch.manual_seed(0)  # the same weights on every rank and in every layout
-    return LlamaForCausalLM(CONFIG)
+    return LlamaForCausalLM(config)
 
 
-def hf_reference(ids, labels, loss_mask):
+def hf_weights(hf: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights, each once: a tied head is its embedding, and has no name of its own."""
+    return {name: p.detach() for name, p in hf.named_parameters()}
+
+
+def hf_reference(config: LlamaConfig, ids, labels, loss_mask):
     """HF's model with the gradients of the mean token loss, its logits and that loss."""
-    hf = hf_model()
+    hf = hf_model(config)
     logits = hf(input_ids=ids).logits
     token_losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
     loss = (token_losses * loss_mask).sum() / loss_mask.sum()
@@ -117,7 +124,8 @@ def max_diff_at_real_tokens(ours, theirs, real) -> float:
 
 
 def max_relative_grad_diff(ours: dict, hf) -> float:
-    """Over the HF tensors: max |ours - HF's| / max |HF's|."""
+    """Over the HF tensors: max |ours - HF's| / max |HF's| (a tied embedding's gradient sums its
+    two uses)."""
     return max(((ours[k] - p.grad).abs().max() / p.grad.abs().max()).item() for k, p in hf.named_parameters())
 
 
@@ -154,13 +162,12 @@ def gather_shards(local: dict[str, torch.Tensor]) -> list[list[dict]] | None:
     return shards
 
 
-def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
-    layout = f"tp{tp}pp{pp}"
+def check_layout(layout: str, config: LlamaConfig, tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     ids, labels, real, loss_mask = make_batch()
-    hf, hf_logits, hf_loss = hf_reference(ids, labels, loss_mask)
-    model = build_megatron_llama(CONFIG, calculate_per_token_loss=True)
+    hf, hf_logits, hf_loss = hf_reference(config, ids, labels, loss_mask)
+    model = build_megatron_llama(config, calculate_per_token_loss=True)
     load_hf_into_megatron(model, hf_dir)
 
     logits = megatron_logits(model, ids)
@@ -172,17 +179,38 @@ def check_layout(tp: int, pp: int, hf_dir: Path, out: Path) -> None:
     grads = gather_shards({name: p.grad for name, p in model.named_parameters()})
     shards = gather_shards(model.state_dict())
     if shards is not None:
-        report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, CONFIG), hf))
-        back, expected = megatron_to_hf(shards, CONFIG), hf.state_dict()
+        report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, config), hf))
+        back, expected = megatron_to_hf(shards, config), hf_weights(hf)
         report(layout, "gather_exact", back.keys() == expected.keys() and all(
             torch.equal(back[k], v) for k, v in expected.items()))
-    export_megatron_to_hf(model, CONFIG, out / layout, max_shard_bytes=SHARD_BYTES)
+    export_megatron_to_hf(model, config, out / layout, max_shard_bytes=SHARD_BYTES)
     if dist.get_rank() == 0:
-        back, expected = read_hf_weights(out / layout), hf.state_dict()
+        back, expected = read_hf_weights(out / layout), hf_weights(hf)
         report(layout, "export_exact", back.keys() == expected.keys() and all(
             torch.equal(back[k], v) for k, v in expected.items()))
+        check_export_loads_in_hf(layout, out / layout, hf_logits, ids, real)
     if tp > 1:
         check_rng_streams(layout)
+    parallel_state.destroy_model_parallel()
+
+
+def check_export_loads_in_hf(layout: str, exported: Path, hf_logits, ids, real) -> None:
+    """transformers reads the export back with the head tied as the original was, and the same logits."""
+    hf = AutoModelForCausalLM.from_pretrained(exported)
+    with torch.no_grad():
+        logits = hf(input_ids=ids).logits
+    report(layout, "hf_reload", {"tied": hf.lm_head.weight is hf.model.embed_tokens.weight,
+                                 "logits": max_diff_at_real_tokens(logits, hf_logits, real)})
+
+
+def check_tied_pipeline_refused() -> None:
+    """The tied model at PP=2 is refused before megatron builds anything, naming the fields."""
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    try:
+        build_megatron_llama(TIED)
+        report("tied-tp1pp2", "refused", None)
+    except ValueError as e:
+        report("tied-tp1pp2", "refused", str(e))
     parallel_state.destroy_model_parallel()
 
 
@@ -191,10 +219,14 @@ def main():
     init_distributed()
     apply_cpu_shim()
     if dist.get_rank() == 0:
-        save_hf_dir(hf_model().state_dict(), CONFIG, out / "hf", max_shard_bytes=SHARD_BYTES)
+        save_hf_dir(hf_model(CONFIG).state_dict(), CONFIG, out / "hf", max_shard_bytes=SHARD_BYTES)
+        # as transformers writes a tied checkpoint: no lm_head.weight
+        hf_model(TIED).save_pretrained(out / "hf-tied", max_shard_size=SHARD_BYTES)
     dist.barrier()
-    for tp, pp in ((2, 1), (1, 2)):
-        check_layout(tp, pp, out / "hf", out)
+    for layout, config, tp, pp, hf_dir in (("tp2pp1", CONFIG, 2, 1, "hf"), ("tp1pp2", CONFIG, 1, 2, "hf"),
+                                           ("tied-tp2pp1", TIED, 2, 1, "hf-tied")):
+        check_layout(layout, config, tp, pp, out / hf_dir, out)
+    check_tied_pipeline_refused()
     print_findings_on_rank0()
     shutdown_distributed()
 
