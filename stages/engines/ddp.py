@@ -8,6 +8,7 @@ Checkpoints and the final export: stages/engines/state_dicts.py, as for FSDP2.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 from runtime.dist import rank_device
+
+# torch 2.13 renamed the switch (the old name is deprecated); the GPU lock's torch 2.11 (vLLM's
+# pin) knows only the old one.
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
@@ -29,7 +38,7 @@ def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
         return model
     # The only buffers are the rotary embedding's frequencies, computed from the config on every
     # rank: broadcasting them before every forward (DDP's default) would be a collective a forward.
-    return DistributedDataParallel(model, forward_sync_buffers=False)
+    return DistributedDataParallel(model, **NO_BUFFER_SYNC)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
