@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from transformers import AutoTokenizer
-
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
 from stages.data.examples import read_examples
@@ -18,6 +16,7 @@ from stages.data.sft_batches import (
     micro_batches,
     tokenize_examples,
 )
+from stages.data.tokenizer import load_tokenizer
 from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
 from stages.training_loop import train
 
@@ -51,7 +50,7 @@ def report_truncation(ctx: StageContext, t: Truncation) -> bool:
 def run(ctx: StageContext) -> None:
     stage = ctx.stage
     init_dir = ctx.run.model_dir(stage.init_from)
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    tokenizer = load_tokenizer(init_dir)
     samples, truncation = tokenize_examples(tokenizer, read_examples(training_file(ctx)), stage.max_seq_len)
     if not report_truncation(ctx, truncation):
         return  # refused, before any collective: every rank decides alike; the driver says why
