@@ -36,7 +36,7 @@ def peer_worker(run_dir: str, out: str, steps: str) -> None:
 
     run, cfg, stage, model_dir = versus.peer_setup(run_dir, STAGE)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    samples = tokenize_examples(tokenizer, read_examples(run.task_file("sft")), stage.max_seq_len)
+    samples, _ = tokenize_examples(tokenizer, read_examples(run.task_file("sft")), stage.max_seq_len)
     data = Dataset.from_dict(
         {"input_ids": [s.input_ids for s in samples], "completion_mask": [s.loss_mask for s in samples]}
     )

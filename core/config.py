@@ -131,7 +131,9 @@ class SFTStage(Section):
     micro_batch_size: PositiveInt = 16
     """Sequences per forward/backward on one rank (gradient accumulation makes up the rest)."""
     max_seq_len: PositiveInt = 96
-    """Longer examples are truncated (the loss mask follows)."""
+    """Longer examples are truncated (the loss mask follows); those left without a response token
+    are left out. The stage logs the counts and records them in the manifest (training_data), and
+    refuses to train when no example keeps a response token."""
     lr: PositiveFloat = 2e-3
     """Peak learning rate (AdamW)."""
     min_lr: NonNegativeFloat = 2e-5

@@ -59,6 +59,11 @@ class RunDir:
         """The JSONL a synthesis stage writes (with provenance), read by the SFT stage after it."""
         return self.stage(stage_id) / "data" / "synthetic.jsonl"
 
+    def training_data(self, stage_id: str) -> Path:
+        """What an SFT stage made of its examples (how many max_seq_len truncated, or why it refused
+        to train), written by its rank 0 before training and picked up into the manifest."""
+        return self.stage(stage_id) / "training_data.json"
+
     def eval_result(self, stage_id: str) -> Path:
         """Held-out accuracy the stage's ranks measured on final/, picked up into the manifest."""
         return self.stage(stage_id) / "eval.json"

@@ -131,6 +131,7 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
     _report_resume_point(cfg, run, manifest, sid, echo)
     echo(f"{sid}: starting (attempt {manifest.stage(sid)['attempts']}, {cfg.nproc} ranks)")
     forget_failures(run.logs(sid))
+    run.training_data(sid).unlink(missing_ok=True)  # an earlier attempt's, which this one rewrites
     rc = launch()
     manifest.update(sid, checkpoints=CheckpointDir(run.ckpt(sid), keep=1).digests())
     _record_outcome(run, manifest, sid, rc, echo)
@@ -148,6 +149,7 @@ def _report_resume_point(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: s
 
 
 def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) -> None:
+    _record_training_data(run, manifest, sid)
     if rc == PREEMPTED_EXIT:
         manifest.update(sid, state="pending", preempted=manifest.stage(sid).get("preempted", 0) + 1)
         raise StagePreempted(f"{sid} checkpointed and stopped on a signal; run it again to continue")
@@ -161,6 +163,20 @@ def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) ->
         sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)), eval=evaluation
     )
     echo(f"{sid}: done, {_outcome(evaluation)}")
+
+
+def _record_training_data(run: RunDir, manifest: Manifest, sid: str) -> None:
+    """What an SFT stage's ranks made of its examples goes into the manifest; if they refused to
+    train (no response token within max_seq_len), the stage failed on bad input: a ConfigError."""
+    path = run.training_data(sid)
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    manifest.update(sid, training_data=data)
+    refused = data.get("refused")
+    if refused:
+        manifest.fail(sid, {"summary": f"refused to train: {refused['field']}: {refused['message']}"})
+        raise ConfigError(refused["field"], refused["message"])
 
 
 def _outcome(evaluation: dict) -> str:

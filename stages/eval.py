@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from runtime.dist import rank_device
 from stages.data.examples import Example
+from stages.data.tokenizer import load_tokenizer
 from stages.generation import generate_responses
 from stages.rewards.math_reward import score
 
@@ -37,6 +38,6 @@ def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, bat
 def evaluate_model_dir(
     model_dir: Path, examples: list[Example], max_new_tokens: int, batch_size: int = 50
 ) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(rank_device())
     return evaluate(model, tokenizer, examples, max_new_tokens, batch_size)

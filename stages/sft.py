@@ -3,11 +3,20 @@ megatron-core + DeepSpeed engine, resumable from its newest valid step checkpoin
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
+import json
+from dataclasses import asdict
 
+from core.atomic import atomic_write_text
 from runtime.context import StageContext
 from stages.data.examples import read_examples
-from stages.data.sft_batches import GlobalBatchOrder, count_loss_tokens, micro_batches, tokenize_examples
+from stages.data.sft_batches import (
+    GlobalBatchOrder,
+    Truncation,
+    count_loss_tokens,
+    micro_batches,
+    tokenize_examples,
+)
+from stages.data.tokenizer import load_tokenizer
 from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
 from stages.training_loop import train
 
@@ -18,11 +27,33 @@ def training_file(ctx: StageContext):
     return ctx.run.task_file("sft") if source == "curated" else ctx.run.synthetic_data(source)
 
 
+def report_truncation(ctx: StageContext, t: Truncation) -> bool:
+    """Log what max_seq_len cut and record it for the manifest (with the refusal, if any); warn on
+    the terminal when it truncated most examples. False when the stage refuses to train."""
+    field = f"{ctx.stage_id}.max_seq_len"
+    ctx.log.info(
+        "%d examples, %d longer than %s=%d truncated: %d tokens cut, %d of them response tokens; "
+        "%d left without a response token are left out",
+        *(t.examples, t.truncated, field, t.max_seq_len, t.tokens_cut, t.response_tokens_cut, t.left_out),
+    )
+    refusal, warning = t.refusal(field), t.warning(field)
+    if warning:
+        ctx.log.warning(warning)
+        if ctx.is_main:
+            print(f"{ctx.stage_id}: warning: {warning}", file=ctx.terminal)
+    if ctx.is_main:
+        record = {**asdict(t), **({"refused": {"field": field, "message": refusal}} if refusal else {})}
+        atomic_write_text(ctx.run.training_data(ctx.stage_id), json.dumps(record, indent=1))
+    return refusal is None
+
+
 def run(ctx: StageContext) -> None:
     stage = ctx.stage
     init_dir = ctx.run.model_dir(stage.init_from)
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    samples = tokenize_examples(tokenizer, read_examples(training_file(ctx)), stage.max_seq_len)
+    tokenizer = load_tokenizer(init_dir)
+    samples, truncation = tokenize_examples(tokenizer, read_examples(training_file(ctx)), stage.max_seq_len)
+    if not report_truncation(ctx, truncation):
+        return  # refused, before any collective: every rank decides alike; the driver says why
     order = GlobalBatchOrder(len(samples), stage.global_batch_size, ctx.cfg.seed)
     engine = MegatronDeepSpeedEngine(init_dir, stage, ctx.cfg.seed)
 

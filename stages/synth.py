@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
 from runtime.phases import phase, take_phase_times
 from stages.data.examples import Example, read_examples, write_examples
+from stages.data.tokenizer import load_tokenizer
 from stages.engines.ddp import load_replicated
 from stages.generation import generate_responses
 from stages.metrics import MetricsLogger
@@ -97,7 +97,7 @@ def gather_to_main(value):
 def run(ctx: StageContext) -> None:
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
     model_dir = run.model_dir(stage.init_from)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = load_replicated(model_dir, trainable=False)
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
     num_batches = -(-len(prompts) // stage.batch_size)

@@ -15,6 +15,8 @@ import torch
 from stages.data.examples import Example
 from stages.data.tokenizer import encode_sft
 
+MOSTLY_TRUNCATED = 0.5  # above this share of truncated examples an SFT stage warns on the terminal
+
 
 @dataclass
 class Sample:
@@ -43,12 +45,62 @@ class MicroBatch:
         )
 
 
-def tokenize_examples(tokenizer, examples: list[Example], max_seq_len: int) -> list[Sample]:
-    samples = []
-    for ex in examples:
-        ids, mask = encode_sft(tokenizer, ex)
-        samples.append(Sample(ids[: max_seq_len + 1], mask[: max_seq_len + 1]))
-    return samples
+@dataclass(frozen=True)
+class Truncation:
+    """What cutting a stage's examples to max_seq_len (+1: the last token is only a label) did."""
+
+    max_seq_len: int
+    examples: int
+    truncated: int  # examples that were longer
+    tokens_cut: int
+    response_tokens_cut: int
+    left_out: int  # truncated examples without a response token left: they would train nothing
+    longest_prompt: int
+    longest: int  # tokens of the longest example, whole
+
+    @property
+    def kept(self) -> int:
+        return self.examples - self.left_out
+
+    def refusal(self, field: str) -> str | None:
+        """Why the stage must not train, naming the field (`field`) to raise; None if it may."""
+        if self.kept:
+            return None
+        return (
+            f"{self.max_seq_len} leaves no response token in any of the {self.examples} examples (prompts "
+            f"up to {self.longest_prompt} tokens, whole examples up to {self.longest}); raise {field}"
+        )
+
+    def warning(self, field: str) -> str | None:
+        """What to warn of when most examples were truncated; None otherwise."""
+        if not self.kept or self.truncated <= MOSTLY_TRUNCATED * self.examples:
+            return None
+        return (
+            f"{self.truncated} of {self.examples} examples are longer than {field}={self.max_seq_len} and "
+            f"were truncated: {self.response_tokens_cut} response tokens cut, {self.left_out} example(s) "
+            "left without any (left out of training)"
+        )
+
+
+def tokenize_examples(
+    tokenizer, examples: list[Example], max_seq_len: int
+) -> tuple[list[Sample], Truncation]:
+    """The examples cut to max_seq_len, those left without a response token left out, and the count
+    of what was cut."""
+    whole = [Sample(*encode_sft(tokenizer, ex)) for ex in examples]
+    cut = [Sample(s.input_ids[: max_seq_len + 1], s.loss_mask[: max_seq_len + 1]) for s in whole]
+    kept = [s for s in cut if any(s.loss_mask)]
+    truncation = Truncation(
+        max_seq_len=max_seq_len,
+        examples=len(whole),
+        truncated=sum(len(s.input_ids) > max_seq_len + 1 for s in whole),
+        tokens_cut=sum(len(w.input_ids) - len(c.input_ids) for w, c in zip(whole, cut)),
+        response_tokens_cut=sum(sum(w.loss_mask) - sum(c.loss_mask) for w, c in zip(whole, cut)),
+        left_out=len(cut) - len(kept),
+        longest_prompt=max((len(s.loss_mask) - sum(s.loss_mask) for s in whole), default=0),
+        longest=max((len(s.input_ids) for s in whole), default=0),
+    )
+    return kept, truncation
 
 
 class GlobalBatchOrder:

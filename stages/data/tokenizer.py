@@ -1,5 +1,6 @@
-"""A character-level tokenizer built locally with `tokenizers` (no hub), and the two encodings every
-stage uses, which work for any Hugging Face tokenizer with a chat template (a real Llama 3 too).
+"""A character-level tokenizer built locally with `tokenizers` (no hub); how every stage loads a
+tokenizer (`load_tokenizer`: one with no pad token gets one); and the two encodings every stage
+uses, which work for any Hugging Face tokenizer with a chat template (a real Llama 3 too).
 
 Every printable ASCII character and newline is one token (anything else becomes <|unk|>); the R1
 tags are single tokens, so the tiny model sees "<think>" as one symbol; the chat template marks
@@ -8,11 +9,12 @@ turns with <|user|> and <|assistant|> and ends the assistant's with <|eos|>.
 
 from __future__ import annotations
 
+import logging
 import string
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.data.examples import DataError, Example
 from stages.rewards.math_reward import R1_TAGS
@@ -43,6 +45,22 @@ def build_char_tokenizer(out_dir) -> PreTrainedTokenizerFast:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out_dir)
     return tok
+
+
+def load_tokenizer(model_dir):
+    """The tokenizer of a model directory, with a pad token: the one place a tokenizer without one
+    (Llama 3's) is given one, and says which. Nothing reads the pad's id to find padding: attention
+    and loss masks come from the sequences' lengths, and a response ends at its first eos, so an eos
+    in the padding after it is never the response's own."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {model_dir} has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token  # as verl's trainer pads (engine verl): both engines alike
+        logging.getLogger("hpcr1.tokenizer").info(
+            "tokenizer has no pad token: padding with %s (id %d)", tokenizer.pad_token, tokenizer.pad_token_id
+        )
+    return tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 from verl.protocol import DataProto
 
 from runtime.context import StageContext
 from runtime.phases import phase
 from stages.data.examples import read_examples
+from stages.data.tokenizer import load_tokenizer
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.losses import grpo_advantages
@@ -145,7 +145,7 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
 def run(ctx: StageContext) -> None:
     stage, cfg = ctx.stage, ctx.cfg
     init_dir = ctx.run.model_dir(stage.init_from)
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    tokenizer = load_tokenizer(init_dir)
     schedule = PromptSchedule(read_examples(ctx.run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
     roles = build_roles(init_dir, tokenizer, stage)
     samples = {"samples": stage.prompts_per_step * stage.group_size}

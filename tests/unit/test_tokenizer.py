@@ -8,12 +8,12 @@ import string
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import DataError, Example
 from stages.data.tokenizer import R1_TAGS, build_char_tokenizer, encode_prompt, encode_sft
+from tests.support.llama3 import EOT, build_llama3_tokenizer
 
 EXAMPLES = generate_arithmetic(0, 50, "train")
 PRINTABLE = string.printable[:95] + "\n"  # digits, letters, punctuation, space; then newline
@@ -33,25 +33,11 @@ def char_tok(char_dir):
 
 
 @pytest.fixture(scope="module")
-def llama_like_tok():
-    """A second tokenizer unlike ours: byte-level BPE with merges across characters and a Llama 3
-    style chat template whose end of turn is the eos."""
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    core.train_from_iterator([e.prompt + e.response for e in EXAMPLES] * 4, trainer)
-    template = (
-        "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-        "{{ m['content'] }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|eot_id|>", bos_token="<|begin_of_text|>", chat_template=template
-    )
+def llama_like_tok(tmp_path_factory):
+    """A second tokenizer unlike ours: byte-level BPE with merges across characters and Llama 3's
+    chat template, here with the end of turn as the eos (as Llama 3's instruct models have it)."""
+    corpus = [e.prompt + e.response for e in EXAMPLES] * 4
+    return build_llama3_tokenizer(tmp_path_factory.mktemp("llama_like"), corpus, eos_token=EOT)
 
 
 def test_vocabulary_is_printable_ascii_newline_tags_and_specials_under_128(char_tok):
