@@ -11,6 +11,10 @@ In this process:   `from tests import fakegpu; fakegpu.install()`
 In torchrun ranks: `env = fakegpu.child_env(env)`; a process started with that environment installs
                    it at startup (boot/sitecustomize.py), before any of its own code runs.
 
+Not emulated (each fails loudly rather than differ silently): `torch.autocast("fakegpu")`, pinned
+host memory, `torch.Generator(device="fakegpu")` (the CPU generator computes the device's random
+numbers), and `param.data = cpu_tensor` on a device parameter (CUDA allows it; here it raises).
+
 Parts: guard.cpp (device index and count), device.py (`torch.fakegpu`), ledger.py (device memory),
 tensor.py (the device's tensors and kernels), ccl.py (the process group), fsdp.py,
 deepspeed_accel.py and megatron_shim.py (what each engine needs). docs: shared notes,

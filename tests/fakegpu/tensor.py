@@ -14,6 +14,8 @@ C++ code (DDP's reducer, FSDP2, `torch.empty(..., device=...)`, `.to(device)`) a
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -74,6 +76,19 @@ class FakeGpuTensor(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"{self._elem!r} on {self.device}"
+
+    def __deepcopy__(self, memo):
+        # Tensor.__deepcopy__ would deep-copy __dict__, values and ledger handle included, over the
+        # clone it makes: a second copy of the values, uncounted, and a handle to the original's count.
+        if id(self) in memo:
+            return memo[id(self)]
+        twin = FakeGpuTensor(copy.deepcopy(self._elem, memo), self.device).requires_grad_(self.requires_grad)
+        memo[id(self)] = twin
+        if self.grad is not None:
+            twin.grad = copy.deepcopy(self.grad, memo)
+        extra = {k: v for k, v in self.__dict__.items() if k not in ("_elem", "_counted")}  # e.g. _is_param
+        twin.__dict__.update(copy.deepcopy(extra, memo))
+        return twin
 
     def __reduce_ex__(self, protocol):
         # As torch.save writes a tensor of a device without storage: its values and its device.
@@ -172,7 +187,7 @@ def _placement(func, args, kwargs) -> torch.device | None:
     asked = kwargs.get("device")
     if asked is not None:
         return on_index(asked) if _is_device(asked) else None
-    return devices[0]
+    return devices[0] if devices else None
 
 
 def _refused_on_cpu(func, name: str, t: torch.Tensor) -> bool:
