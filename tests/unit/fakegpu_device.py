@@ -1,0 +1,183 @@
+"""Run in a fresh process by test_fakegpu.py, with the emulated accelerator installed at startup
+(fakegpu.child_env): one process, two devices. Each check prints a `RESULT {json}` line with what it
+saw; the test says what it must be."""
+
+import copy
+import io
+
+import torch
+
+from tests.dist.workers.results import print_result
+
+MIB = 1 << 20
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def error_of(fn) -> str | None:
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@check
+def accelerator():
+    torch.accelerator.set_device_index(1)
+    selected = torch.accelerator.current_device_index()
+    torch.accelerator.set_device_index(0)
+    return {
+        "type": torch.accelerator.current_accelerator(check_available=True).type,
+        "count": torch.accelerator.device_count(),
+        "backend": torch.distributed.get_default_backend_for_device("fakegpu"),
+        "selected": selected,
+        "unindexed_tensor": str(torch.ones(2, device="fakegpu").device),
+    }
+
+
+@check
+def cpu_batch_into_device_module():
+    model = torch.nn.Linear(4, 2).to("fakegpu")
+    return error_of(lambda: model(torch.randn(3, 4)))
+
+
+@check
+def cpu_scalar_with_device_tensor():
+    return str((torch.ones(3, device="fakegpu") * torch.tensor(2.0)).device)
+
+
+@check
+def two_devices_in_one_op():
+    return error_of(lambda: torch.ones(2, device="fakegpu:0") + torch.ones(2, device="fakegpu:1"))
+
+
+@check
+def cpu_indices():
+    values = torch.arange(5.0, device="fakegpu")
+    values[torch.tensor([0, 1])] = 9.0
+    return values[torch.tensor([1, 4])].cpu().tolist()
+
+
+@check
+def moves():
+    x = torch.randn(3)
+    on_device = x.to("fakegpu:1")
+    back = on_device.cpu()
+    return {
+        "to_device": str(on_device.device),
+        "cpu_type": type(back).__name__,
+        "to_cpu_type": type(on_device.to("cpu")).__name__,
+        "cpu_device": str(back.device),
+        "values_kept": torch.equal(back, x),
+        "dtype_change_stays": str(on_device.double().device),
+        "numpy_refused": _numpy_refused(on_device),
+    }
+
+
+def _numpy_refused(t) -> str | None:
+    try:
+        t.numpy()
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+@check
+def autograd_on_device_1():
+    x = torch.tensor([1.0, 2.0, 3.0], device="fakegpu:1", requires_grad=True)
+    (x * x).sum().backward()
+    return {"device": str(x.grad.device), "grad": x.grad.cpu().tolist()}
+
+
+@check
+def save_and_load():
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0, device="fakegpu:1")}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)["w"]
+    buffer.seek(0)
+    mapped = torch.load(buffer, map_location="cpu")["w"]
+    return {"device": str(loaded.device), "values": loaded.cpu().tolist(), "mapped": str(mapped.device)}
+
+
+@check
+def memory_ledger():
+    """Allocated bytes on device 0 after each step of a small sequence (a 4 MiB tensor, a view of
+    it, a product, deletions), as offsets from the start, and the peak."""
+    torch.fakegpu.reset_peak_memory_stats(0)
+    start = torch.fakegpu.memory_allocated(0)
+    seen = []
+
+    def note():
+        seen.append((torch.fakegpu.memory_allocated(0) - start) / MIB)
+
+    a = torch.zeros(MIB, device="fakegpu:0")  # fp32: 4 MiB
+    note()
+    view = a[: MIB // 2]
+    note()
+    product = a * 2
+    note()
+    del product
+    note()
+    del a
+    note()  # the view still holds the storage
+    del view
+    note()
+    on_other = torch.zeros(MIB, device="fakegpu:1")
+    note()  # another device's memory
+    del on_other
+    return {"steps": seen, "peak": (torch.fakegpu.max_memory_allocated(0) - start) / MIB}
+
+
+@check
+def data_setter():
+    """`param.data = other` takes the other tensor's values and memory, as DeepSpeed relies on."""
+    param = torch.nn.Parameter(torch.zeros(MIB, device="fakegpu"))
+    flat = torch.ones(2 * MIB, device="fakegpu")
+    before = torch.fakegpu.memory_allocated()
+    param.data = flat[:MIB]
+    flat.add_(1.0)  # a write to the buffer is a write to the parameter
+    return {
+        "values": param.cpu()[:2].tolist(),
+        "still_param": isinstance(param, torch.nn.Parameter),
+        "freed_mib": (before - torch.fakegpu.memory_allocated()) / MIB,
+    }
+
+
+@check
+def deepcopy_of_a_module():
+    """copy.deepcopy of a module on the device (as a reference model is made): parameters stay
+    parameters on the device, with values of their own, counted once more."""
+    model = torch.nn.Linear(1024, 256, bias=False).to("fakegpu")  # 1 MiB of weights
+    before = torch.fakegpu.memory_allocated()
+    twin = copy.deepcopy(model)
+    twin.weight.data.add_(1.0)
+    return {
+        "param": isinstance(twin.weight, torch.nn.Parameter) and twin.weight.requires_grad,
+        "device": str(twin.weight.device),
+        "independent": not torch.equal(twin.weight.cpu(), model.weight.cpu()),
+        "added_mib": (torch.fakegpu.memory_allocated() - before) / MIB,
+    }
+
+
+@check
+def streams_and_events():
+    stream = torch.fakegpu.Stream(priority=-1)
+    start, end = torch.fakegpu.Event(enable_timing=True), torch.fakegpu.Event(enable_timing=True)
+    start.record()
+    with torch.fakegpu.stream(stream):
+        torch.ones(8, device="fakegpu").sum()
+    stream.wait_stream(torch.fakegpu.current_stream())
+    end.record()
+    end.synchronize()
+    return {"elapsed_ms_ok": start.elapsed_time(end) >= 0, "stream_device": str(stream.device)}
+
+
+if __name__ == "__main__":
+    for name, fn in CHECKS.items():
+        print_result({"check": name, "value": fn()})
