@@ -15,10 +15,10 @@ Not emulated (each fails loudly rather than differ silently): `torch.autocast("f
 host memory, `torch.Generator(device="fakegpu")` (the CPU generator computes the device's random
 numbers), and `param.data = cpu_tensor` on a device parameter (CUDA allows it; here it raises).
 
-Parts: guard.cpp (device index and count), device.py (`torch.fakegpu`), ledger.py (device memory),
-tensor.py (the device's tensors and kernels), ccl.py (the process group), fsdp.py,
-deepspeed_accel.py and megatron_shim.py (what each engine needs). docs: shared notes,
-fake-accelerator.md, records what was checked and the traps.
+Parts: guard.cpp (device index and count), device.py (`torch.fakegpu`), ledger.py (device
+memory), tensor.py (the device's tensors and kernels), moves.py (Module.to keeps parameters),
+ccl.py (the process group), fsdp.py, deepspeed_accel.py and megatron_shim.py (what each engine
+needs). Every op pays a Python dispatch: keep emulated runs to tiny models and few steps.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from tests.fakegpu import ccl, device, fsdp, tensor
+from tests.fakegpu import ccl, device, fsdp, moves, tensor
 from tests.fakegpu.ccl import BACKEND
 from tests.fakegpu.device import DEVICE_TYPE
 from tests.fakegpu.guard import load_guard
@@ -59,6 +59,7 @@ def install(device_count: int | None = None) -> None:
     device.set_device_count(count)
     _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=device)
     tensor.register_kernels()
+    moves.keep_parameters_on_move()
     ccl.register_backend()
     after_import(fsdp.PARAM_MODULE, fsdp.patch)
     after_import(fsdp.GROUP_MODULE, fsdp.patch)

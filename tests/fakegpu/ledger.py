@@ -10,7 +10,6 @@ that is no longer there, as on a GPU.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import Counter
 
 import torch
@@ -23,9 +22,9 @@ class Ledger:
         self.allocated: Counter[int] = Counter()
         self.peak: Counter[int] = Counter()
 
-    def hold(self, owner: torch.Tensor, storage: torch.UntypedStorage, index: int) -> weakref.finalize:
-        """Count `storage` (once) on device `index` until `owner` dies or the returned handle is
-        called (when the owner is pointed at other values)."""
+    def hold(self, storage: torch.UntypedStorage, index: int) -> Hold:
+        """Count `storage` (once) on device `index` while the returned handle lives (a device tensor
+        keeps it in its __dict__) or until it is released (when the tensor is pointed elsewhere)."""
         key = storage._cdata
         with self._lock:
             entry = self._storages.get(key)
@@ -34,7 +33,7 @@ class Ledger:
                 self._set_bytes(key, storage.nbytes())
             else:
                 entry[2] += 1
-        return weakref.finalize(owner, self._release, key)
+        return Hold(self, key)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         """`storage` was resized in place: count its new size."""
@@ -60,6 +59,24 @@ class Ledger:
         self.allocated[index] += nbytes - entry[1]
         entry[1] = nbytes
         self.peak[index] = max(self.peak[index], self.allocated[index])
+
+
+class Hold:
+    """One device tensor's claim on its storage. It lives in the tensor's __dict__ rather than as a
+    weakref to the tensor: torch.utils.swap_tensors (Module.to's path for these tensors) refuses a
+    tensor with weakrefs, and swaps __dict__s, claims included."""
+
+    __slots__ = ("_ledger", "_key")
+
+    def __init__(self, ledger: Ledger, key: int) -> None:
+        self._ledger, self._key = ledger, key
+
+    def release(self) -> None:
+        if self._key is not None:
+            self._ledger._release(self._key)
+            self._key = None
+
+    __del__ = release
 
 
 LEDGER = Ledger()

@@ -50,7 +50,7 @@ class FakeGpuTensor(torch.Tensor):
 
     def _point_at(self, elem: torch.Tensor) -> None:
         self._elem = elem
-        self._counted = LEDGER.hold(self, elem.untyped_storage(), self.device.index)
+        self._counted = LEDGER.hold(elem.untyped_storage(), self.device.index)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -63,7 +63,7 @@ class FakeGpuTensor(torch.Tensor):
         # DeepSpeed points `param.data` at views of its flat buffers: without taking the values too,
         # ZeRO 1/2 would step those buffers and leave every weight unchanged, without an error.
         _DATA.__set__(self, new)
-        self._counted()
+        self._counted.release()
         self._point_at(new._elem)
 
     def numpy(self, *, force: bool = False):
