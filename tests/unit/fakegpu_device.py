@@ -150,6 +150,23 @@ def data_setter():
 
 
 @check
+def module_to_keeps_parameters():
+    """An optimizer made before `model.to(device)` still steps the model's parameters, as on CUDA."""
+    model = torch.nn.Linear(4, 2)
+    before = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to("fakegpu")
+    model(torch.ones(3, 4, device="fakegpu")).sum().backward()
+    weight = model.weight.detach().cpu().clone()
+    optimizer.step()
+    return {
+        "same_objects": all(a is b for a, b in zip(before, model.parameters())),
+        "device": str(model.weight.device),
+        "stepped": not torch.equal(weight, model.weight.detach().cpu()),
+    }
+
+
+@check
 def deepcopy_of_a_module():
     """copy.deepcopy of a module on the device (as a reference model is made): parameters stay
     parameters on the device, with values of their own, counted once more."""

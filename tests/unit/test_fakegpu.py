@@ -88,6 +88,14 @@ def test_data_setter_takes_the_new_values_and_memory(seen):
     assert seen["data_setter"] == {"values": [2.0, 2.0], "still_param": True, "freed_mib": 4.0}
 
 
+def test_moving_a_module_keeps_its_parameter_objects_as_cuda_does(seen):
+    assert seen["module_to_keeps_parameters"] == {
+        "same_objects": True,
+        "device": "fakegpu:0",
+        "stepped": True,
+    }
+
+
 def test_deepcopy_makes_an_independent_device_module_and_counts_it(seen):
     assert seen["deepcopy_of_a_module"] == {
         "param": True,
