@@ -111,8 +111,10 @@ def fsdp2_memory(device: torch.device) -> list[float]:
     return seen
 
 
-def zero1_weights(device: torch.device, rank: int) -> list[torch.Tensor]:
-    m = model().to(device)
+def zero1_weights(device: torch.device, rank: int, on_device_first: bool) -> list[torch.Tensor]:
+    """The weights after one ZeRO-1 step; the model handed to DeepSpeed on the device, or on the CPU
+    (DeepSpeed moves it, after the optimizer was made: the optimizer must still hold its parameters)."""
+    m = model().to(device) if on_device_first else model()
     config = {
         "train_micro_batch_size_per_gpu": 5,
         "gradient_accumulation_steps": 1,
@@ -191,9 +193,10 @@ def main() -> None:
     found["ddp_vs_cpu"] = max_diff(ddp, ref_grads)
     found["fsdp2_vs_ddp"] = max_diff(fsdp2_grads(device, rank), [g.cpu() for g in ddp])
     found["fsdp2_memory"] = fsdp2_memory(device)
-    weights = zero1_weights(device, rank)
+    weights = zero1_weights(device, rank, on_device_first=True)
     found["zero1_vs_adamw"] = max_diff(weights, ref_weights)
     found["zero1_moved"] = max_diff(weights, list(model().parameters()))
+    found["zero1_moved_by_deepspeed_vs_adamw"] = max_diff(zero1_weights(device, rank, False), ref_weights)
     for tp in (1, 2):
         found[f"megatron_tp{tp}"] = megatron_loss(device, tp)
     for check, value in found.items():
