@@ -90,7 +90,9 @@ class FakeCCL(dist.ProcessGroup):
         """gloo's `method` on the CPU values of `args`; `outputs` (device tensors) are the results,
         divided by the group's size when `opts` asks for an AVG."""
         average = _is_avg(opts)
-        gloo_args = (*_values(args), *(() if opts is None else (_summing(opts) if average else opts),))
+        gloo_args = list(_values(args))
+        if opts is not None:
+            gloo_args.append(_summing(opts) if average else opts)
         getattr(self._gloo, method)(*gloo_args).wait()
         if average:
             for t in tree_flatten(outputs)[0]:
