@@ -4,10 +4,11 @@ On CUDA, Module._apply moves a parameter with `param.data = moved` (CPU and CUDA
 kind), so an optimizer made before the move - DeepSpeed's engine moves the model it is given, after
 the caller made the optimizer - still holds the module's parameters. A plain tensor's `.data` cannot
 take a wrapper, so for moves onto the emulated device Module._apply is sent down its other
-identity-keeping path, torch.utils.swap_tensors (the one it takes for traceable tensor subclasses),
-and that swap is allowed for parameters that weakrefs point at (DeepSpeed's and megatron's do): the
-weakrefs keep pointing at the same object, as after CUDA's `.data`. Moves between device tensors keep
-the `.data` path (the wrapper's setter).
+identity-keeping path, torch.utils.swap_tensors (the one it takes for traceable tensor subclasses).
+That swap is allowed for parameters that weakrefs point at (DeepSpeed's and megatron's do: the
+weakrefs keep pointing at the same object, as after CUDA's `.data`), and the parameter keeps its own
+attributes, as after `.data`. Moves between device tensors keep the `.data` path (the wrapper's
+setter).
 """
 
 from __future__ import annotations
@@ -48,8 +49,15 @@ def keep_parameters_on_move() -> None:
         return traceable(t) or _onto_the_device(t, sys._getframe(1).f_locals.get("param"))
 
     def swap_tensors(t1, t2):
-        with _weakrefs_unseen() if _onto_the_device(t2, t1) else contextlib.nullcontext():
+        if not _onto_the_device(t2, t1):
             return swap(t1, t2)
+        # swap_tensors swaps __dict__s; `.data` on CUDA keeps the parameter's own attributes (megatron's
+        # tensor_model_parallel, which the gradient norm reads, DeepSpeed's marks): keep them too.
+        attributes = dict(t1.__dict__)
+        with _weakrefs_unseen():
+            swap(t1, t2)
+        for name, value in attributes.items():
+            t1.__dict__.setdefault(name, value)
 
     swap_onto_the_device.fakegpu = True
     module.is_traceable_wrapper_subclass = swap_onto_the_device
