@@ -2,8 +2,8 @@
 device's allocation and copy kernels.
 
 Every op on a device tensor comes to `FakeGpuTensor.__torch_dispatch__`, which checks placement as
-a CUDA kernel does - a CPU tensor with dimensions among its arguments is refused with CUDA's message
-(a 0-dim CPU tensor is a scalar, which CUDA accepts; so are CPU index tensors) - runs the op on the
+a CUDA kernel does - a CPU tensor among its arguments is refused with CUDA's message, except a 0-dim
+one the op only reads (a scalar, which CUDA's kernels take) and CPU index tensors - runs the op on the
 CPU values and wraps the results on the device. Functional collectives run on the device tensors
 themselves: the device's process group takes them. Only copies cross devices: `copy_`, `_to_copy`
 (`.to`, `.cpu()`, which returns a plain CPU tensor) and `_copy_from`.
@@ -91,13 +91,8 @@ class FakeGpuTensor(torch.Tensor):
         return twin
 
     def __reduce_ex__(self, protocol):
-        # As torch.save writes a tensor of a device without storage: its values and its device.
-        return torch._utils._rebuild_device_tensor_from_cpu_tensor, (
-            self._elem,
-            self.dtype,
-            str(self.device),
-            self.requires_grad,
-        )
+        # Values saved as a CPU tensor's are, with the device: see `_rebuild`.
+        return _rebuild, (self._elem, str(self.device), self.requires_grad)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -116,6 +111,24 @@ def _below_python(func, args, kwargs):
     themselves: it calls the device's process group, which wants them, not their CPU values."""
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
         return func(*args, **kwargs)
+
+
+def _rebuild(values: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    """torch.load's rebuild of a device tensor: on its device, or where map_location sends it, as a
+    CUDA tensor's load does. A callable map_location gets the values' storage and the device's name;
+    what it returns says the device (DeepSpeed loads checkpoints with `lambda storage, loc: storage`,
+    which keeps a GPU checkpoint's tensors on the CPU)."""
+    location = torch.serialization._serialization_tls.map_location
+    if callable(location):
+        restored = location(values.untyped_storage(), device)
+        target = torch.device(device) if restored is None else restored.device
+    elif isinstance(location, dict):
+        target = torch.device(location.get(device, device))
+    else:
+        target = torch.device(device if location is None else location)
+    tensor = values.to(target)
+    tensor.requires_grad = requires_grad
+    return tensor
 
 
 def to_device(elem: torch.Tensor, device: torch.device | str | None = None) -> FakeGpuTensor:
@@ -158,31 +171,32 @@ def _back(out, inputs, device: torch.device | None):
     return tree_map(wrap, out)
 
 
-def _named_tensors(func, args, kwargs):
-    """(argument name, tensor) for every tensor the op is given, lists included."""
-    names = [a.name for a in func._schema.arguments]
-    given = list(zip(names, args)) + list(kwargs.items())
-    for name, value in given:
+def _tensor_arguments(func, args, kwargs):
+    """(schema argument, tensor) for every tensor the op is given, lists included."""
+    schema = func._schema.arguments
+    by_name = {a.name: a for a in schema}
+    given = list(zip(schema, args)) + [(by_name[name], value) for name, value in kwargs.items()]
+    for argument, value in given:
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, torch.Tensor):
-                yield name, leaf
+                yield argument, leaf
 
 
 def _placement(func, args, kwargs) -> torch.device | None:
     """The device the op's results go to, after CUDA's placement checks: all device tensors on one
-    device, no CPU tensor with dimensions beside them."""
-    named = list(_named_tensors(func, args, kwargs))
-    devices = sorted({t.device for _, t in named if isinstance(t, FakeGpuTensor)}, key=str)
+    device, no CPU tensor beside them but a scalar it reads."""
+    given = list(_tensor_arguments(func, args, kwargs))
+    devices = sorted({t.device for _, t in given if isinstance(t, FakeGpuTensor)}, key=str)
     if len(devices) > 1:
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{devices[0]} and {devices[1]}!"
         )
-    for name, t in named:
-        if _refused_on_cpu(func, name, t):
+    for argument, t in given:
+        if _refused_on_cpu(func, argument, t):
             raise RuntimeError(
-                f"Expected all tensors to be on the same device, but got {name} is on cpu, different "
-                f"from other tensors on {devices[0]} (when checking argument in method {func})"
+                f"Expected all tensors to be on the same device, but got {argument.name} is on cpu, "
+                f"different from other tensors on {devices[0]} (when checking argument in method {func})"
             )
     asked = kwargs.get("device")
     if asked is not None:
@@ -190,10 +204,12 @@ def _placement(func, args, kwargs) -> torch.device | None:
     return devices[0] if devices else None
 
 
-def _refused_on_cpu(func, name: str, t: torch.Tensor) -> bool:
-    if isinstance(t, FakeGpuTensor) or t.device.type != "cpu" or t.dim() == 0:
+def _refused_on_cpu(func, argument, t: torch.Tensor) -> bool:
+    if isinstance(t, FakeGpuTensor) or t.device.type != "cpu":
         return False
-    return not (name == "indices" and func.overloadpacket.__name__ in _CPU_INDICES_ACCEPTED)
+    if t.dim() == 0:  # a CPU scalar: a device op may read it (CUDA's kernels take it), not write it
+        return argument.alias_info is not None and argument.alias_info.is_write
+    return not (argument.name == "indices" and func.overloadpacket.__name__ in _CPU_INDICES_ACCEPTED)
 
 
 # -- the ops that cross devices -------------------------------------------------------------------
@@ -240,6 +256,7 @@ _kernels: torch.library.Library | None = None
 def register_kernels() -> None:
     global _kernels
     if _kernels is None:
+        torch.serialization.add_safe_globals([_rebuild])  # torch.load's weights_only default
         _kernels = torch.library.Library("aten", "IMPL")
         _kernels.impl("empty.memory_format", _empty, "PrivateUse1")
         _kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
