@@ -12,6 +12,10 @@ from tests.fakegpu import device as fakegpu
 from tests.fakegpu.ccl import BACKEND
 from tests.fakegpu.device import DEVICE_TYPE
 
+# The CPU accelerator's collectives (oneCCL, shared memory), which DeepSpeed would build and set up
+# beside the device's backend; a GPU's accelerator has none.
+CPU_COMMUNICATION = {"CCLCommBuilder", "ShareMemCommBuilder"}
+
 
 class FakeGpuAccelerator(CPU_Accelerator):
     def __init__(self):
@@ -40,6 +44,12 @@ class FakeGpuAccelerator(CPU_Accelerator):
 
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == DEVICE_TYPE
+
+    def create_op_builder(self, op_name):
+        return None if op_name in CPU_COMMUNICATION else super().create_op_builder(op_name)
+
+    def get_op_builder(self, class_name):
+        return None if class_name in CPU_COMMUNICATION else super().get_op_builder(class_name)
 
     def pin_memory(self, tensor, align_bytes=1):
         return tensor  # no pinned host memory for this device
