@@ -44,6 +44,18 @@ def test_reductions_run_on_the_device_and_honour_the_op(found):
     assert found["objects"] == [[0, 1], [0, 1]]
 
 
+def test_the_other_collectives_give_what_nccl_gives(found):
+    # rank r contributes values plus 10 r
+    rank0, rank1 = found["other_ops"]
+    assert rank0["broadcast"] == rank1["broadcast"] == [[11.0]]  # from rank 1
+    assert rank0["reduce"] == [[12.0]]  # to rank 0
+    assert (rank0["reduce_scatter"], rank1["reduce_scatter"]) == ([[12.0]], [[14.0]])
+    assert (rank0["scatter"], rank1["scatter"]) == ([[1.0]], [[2.0]])  # rank 0's list
+    assert (rank0["all_to_all_single"], rank1["all_to_all_single"]) == ([[1.0, 11.0]], [[2.0, 12.0]])
+    assert rank0["gather"] == [[1.0], [11.0]]
+    assert rank1["send_recv"] == [[1.0]]  # rank 0's
+
+
 def test_ddp_averages_gradients_as_the_cpu_reference(found):
     assert found["grad_device"] == ["fakegpu:0", "fakegpu:1"]
     assert found["ddp_vs_cpu"] == [0.0, 0.0]

@@ -4,6 +4,7 @@ saw; the test says what it must be."""
 
 import copy
 import io
+import weakref
 
 import torch
 
@@ -49,6 +50,13 @@ def cpu_batch_into_device_module():
 @check
 def cpu_scalar_with_device_tensor():
     return str((torch.ones(3, device="fakegpu") * torch.tensor(2.0)).device)
+
+
+@check
+def device_tensor_into_cpu_scalar():
+    """`cpu_total += device_value`, as a loss accumulated on the CPU: CUDA refuses it."""
+    total = torch.zeros(())
+    return error_of(lambda: total.add_(torch.ones((), device="fakegpu")))
 
 
 @check
@@ -102,7 +110,14 @@ def save_and_load():
     loaded = torch.load(buffer)["w"]
     buffer.seek(0)
     mapped = torch.load(buffer, map_location="cpu")["w"]
-    return {"device": str(loaded.device), "values": loaded.cpu().tolist(), "mapped": str(mapped.device)}
+    buffer.seek(0)
+    kept_on_host = torch.load(buffer, map_location=lambda storage, loc: storage, weights_only=False)["w"]
+    return {
+        "device": str(loaded.device),
+        "values": loaded.cpu().tolist(),
+        "mapped": str(mapped.device),
+        "callable_map_location": str(kept_on_host.device),  # DeepSpeed's load_checkpoint
+    }
 
 
 @check
@@ -154,13 +169,16 @@ def module_to_keeps_parameters():
     """An optimizer made before `model.to(device)` still steps the model's parameters, as on CUDA."""
     model = torch.nn.Linear(4, 2)
     before = list(model.parameters())
+    model.weight.tensor_model_parallel = True  # as megatron marks its parameters
+    weak = weakref.ref(model.weight)  # as DeepSpeed and megatron hold some
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model.to("fakegpu")
     model(torch.ones(3, 4, device="fakegpu")).sum().backward()
     weight = model.weight.detach().cpu().clone()
     optimizer.step()
     return {
-        "same_objects": all(a is b for a, b in zip(before, model.parameters())),
+        "same_objects": all(a is b for a, b in zip(before, model.parameters())) and weak() is model.weight,
+        "attribute_kept": getattr(model.weight, "tensor_model_parallel", False),
         "device": str(model.weight.device),
         "stepped": not torch.equal(weight, model.weight.detach().cpu()),
     }

@@ -52,6 +52,12 @@ def test_cpu_scalars_and_cpu_indices_are_accepted_as_cuda_accepts_them(seen):
     assert seen["cpu_indices"] == [9.0, 4.0]
 
 
+def test_a_cpu_scalar_is_not_written_with_device_values(seen):
+    assert seen["device_tensor_into_cpu_scalar"].startswith(
+        f"{SAME_DEVICE}, but got self is on cpu, different from other tensors on fakegpu:0"
+    )
+
+
 def test_tensors_of_two_devices_in_one_op_are_refused(seen):
     assert (
         seen["two_devices_in_one_op"]
@@ -72,7 +78,12 @@ def test_autograd_runs_on_a_device_other_than_0(seen):
 
 
 def test_torch_save_and_load_keep_the_device_or_map_to_the_cpu(seen):
-    assert seen["save_and_load"] == {"device": "fakegpu:1", "values": [0.0, 1.0, 2.0, 3.0], "mapped": "cpu"}
+    assert seen["save_and_load"] == {
+        "device": "fakegpu:1",
+        "values": [0.0, 1.0, 2.0, 3.0],
+        "mapped": "cpu",
+        "callable_map_location": "cpu",  # as DeepSpeed's load_checkpoint asks
+    }
 
 
 def test_memory_ledger_counts_each_storage_once_while_it_lives(seen):
@@ -89,8 +100,10 @@ def test_data_setter_takes_the_new_values_and_memory(seen):
 
 
 def test_moving_a_module_keeps_its_parameter_objects_as_cuda_does(seen):
+    # the same objects (weakrefs to them included), with their own attributes, stepped by the optimizer
     assert seen["module_to_keeps_parameters"] == {
         "same_objects": True,
+        "attribute_kept": True,
         "device": "fakegpu:0",
         "stepped": True,
     }

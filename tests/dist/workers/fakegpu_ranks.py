@@ -67,7 +67,28 @@ def collectives(device: torch.device, rank: int) -> dict:
     gathered = [None, None]
     dist.all_gather_object(gathered, rank)  # object collectives travel on the device, as on nccl
     found["objects"] = gathered
+    found["other_ops"] = other_collectives(device, rank)
     return found
+
+
+def other_collectives(device: torch.device, rank: int) -> dict:
+    """What each of the other collectives gives on this rank; rank r contributes values plus 10 r."""
+
+    def mine(*values):
+        return torch.tensor(values, device=device) + 10.0 * rank
+
+    out = {"broadcast": mine(1.0), "reduce": mine(1.0), "reduce_scatter": mine(0.0), "scatter": mine(0.0)}
+    dist.broadcast(out["broadcast"], src=1)
+    dist.reduce(out["reduce"], dst=0)
+    dist.reduce_scatter(out["reduce_scatter"], [mine(1.0), mine(2.0)])
+    dist.scatter(out["scatter"], [mine(1.0), mine(2.0)] if rank == 0 else None, src=0)
+    out["all_to_all_single"] = mine(0.0, 0.0)
+    dist.all_to_all_single(out["all_to_all_single"], mine(1.0, 2.0))
+    out["gather"] = [mine(0.0), mine(0.0)] if rank == 0 else []
+    dist.gather(mine(1.0), out["gather"] or None, dst=0)
+    out["send_recv"] = mine(1.0)
+    (dist.send if rank == 0 else dist.recv)(out["send_recv"], 1 - rank)
+    return {name: [x.cpu().tolist() for x in (t if isinstance(t, list) else [t])] for name, t in out.items()}
 
 
 def ddp_grads(device: torch.device, rank: int) -> list[torch.Tensor]:
