@@ -16,7 +16,8 @@ import torch
 from tests.fakegpu.ledger import LEDGER
 
 DEVICE_TYPE = "fakegpu"
-TOTAL_MEMORY = 80 << 30  # what mem_get_info and get_device_properties report, as an 80 GiB GPU
+TOTAL_MEMORY = 80 << 30  # what mem_get_info reports, as an 80 GiB GPU
+_count = 1  # devices this process sees: install() sets it
 
 
 def index_of(device: torch.device | str | int | None = None) -> int:
@@ -28,13 +29,14 @@ def index_of(device: torch.device | str | int | None = None) -> int:
 
 
 def on_index(device: torch.device | str | int | None = None) -> torch.device:
-    return torch.device(DEVICE_TYPE, index_of(device))
+    """The device `device` names, which must exist (as CUDA checks the ordinal)."""
+    index = index_of(device)
+    if not 0 <= index < _count:
+        raise RuntimeError(f"fakegpu error: invalid device ordinal {index} ({_count} devices)")
+    return torch.device(DEVICE_TYPE, index)
 
 
 # -- devices --------------------------------------------------------------------------------------
-_count = 1
-
-
 def set_device_count(count: int) -> None:
     global _count
     _count = count

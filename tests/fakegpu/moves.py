@@ -40,6 +40,8 @@ def _weakrefs_unseen():
 
 
 def keep_parameters_on_move() -> None:
+    """Send Module._apply's moves onto the device down swap_tensors, and let that swap keep the
+    parameter's weakrefs and attributes (idempotent)."""
     traceable, swap = module.is_traceable_wrapper_subclass, torch.utils.swap_tensors
     if getattr(traceable, "fakegpu", False):
         return

@@ -65,6 +65,11 @@ def two_devices_in_one_op():
 
 
 @check
+def a_device_past_the_last():
+    return error_of(lambda: torch.ones(2, device="fakegpu:2"))
+
+
+@check
 def cpu_indices():
     values = torch.arange(5.0, device="fakegpu")
     values[torch.tensor([0, 1])] = 9.0

@@ -47,6 +47,10 @@ def test_a_cpu_batch_into_a_module_on_the_device_is_refused_in_cudas_words(seen)
     )
 
 
+def test_a_device_past_the_last_is_refused(seen):
+    assert seen["a_device_past_the_last"] == "fakegpu error: invalid device ordinal 2 (2 devices)"
+
+
 def test_cpu_scalars_and_cpu_indices_are_accepted_as_cuda_accepts_them(seen):
     assert seen["cpu_scalar_with_device_tensor"] == "fakegpu:0"
     assert seen["cpu_indices"] == [9.0, 4.0]
