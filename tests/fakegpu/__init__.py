@@ -58,6 +58,7 @@ def install(device_count: int | None = None) -> None:
     load_guard(count)  # first: PyTorch keeps the first device guard registered
     device.set_device_count(count)
     _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=device)
+    device.answer_accelerator_memory()
     tensor.register_kernels()
     moves.keep_parameters_on_move()
     ccl.register_backend()

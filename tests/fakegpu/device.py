@@ -187,3 +187,30 @@ def mem_get_info(device=None) -> tuple[int, int]:
 
 def empty_cache() -> None:
     """Nothing is cached."""
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """The ledger keeps no accumulated counts."""
+
+
+# torch.accelerator's memory functions ask the device's C++ caching allocator, which this device has
+# not (an internal assert: "Allocator for fakegpu is not a DeviceAllocator"); they get the ledger's.
+_ACCELERATOR_MEMORY = {
+    "empty_cache": empty_cache,
+    "empty_host_cache": empty_cache,
+    "memory_stats": memory_stats,
+    "memory_allocated": memory_allocated,
+    "max_memory_allocated": max_memory_allocated,
+    "memory_reserved": memory_reserved,
+    "max_memory_reserved": max_memory_reserved,
+    "reset_peak_memory_stats": reset_peak_memory_stats,
+    "reset_accumulated_memory_stats": reset_accumulated_memory_stats,
+    "get_memory_info": mem_get_info,
+}
+
+
+def answer_accelerator_memory() -> None:
+    for module in (torch.accelerator, torch.accelerator.memory):
+        for name, function in _ACCELERATOR_MEMORY.items():
+            if hasattr(module, name):
+                setattr(module, name, function)
