@@ -66,6 +66,9 @@ class FakeGpuTensor(torch.Tensor):
         self._counted.release()
         self._point_at(new._elem)
 
+    def tolist(self):
+        return self._elem.tolist()  # torch refuses tensor subclasses; CUDA's copies to the host
+
     def numpy(self, *, force: bool = False):
         if force:
             return self.cpu().numpy(force=True)

@@ -86,7 +86,7 @@ def moves():
         "cpu_type": type(back).__name__,
         "to_cpu_type": type(on_device.to("cpu")).__name__,
         "cpu_device": str(back.device),
-        "values_kept": torch.equal(back, x),
+        "values_kept": torch.equal(back, x) and on_device.tolist() == x.tolist(),
         "dtype_change_stays": str(on_device.double().device),
         "numpy_refused": _numpy_refused(on_device),
     }
