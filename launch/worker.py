@@ -8,6 +8,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -48,12 +49,14 @@ def die_with_launcher() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
+    import torch.distributed as dist
+
     from core.config import RunConfig
     from core.manifest import Manifest
     from core.rundir import RunDir
     from runtime.comm_profiler import CommProfiler
     from runtime.context import StageContext
-    from runtime.dist import discover_ranks, init_distributed, shutdown_distributed
+    from runtime.dist import discover_ranks, init_distributed, rank_device, shutdown_distributed
     from runtime.preemption import PREEMPTED_EXIT, install_handlers
     from runtime.rank_failure import record_exception
     from stages.kinds import STAGE_RUNNERS
@@ -62,6 +65,14 @@ def main(argv: list[str] | None = None) -> None:
     terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     info = init_distributed()
+    logging.getLogger("hpcr1").info(
+        "rank %d of %d on %s (%s), host %s",
+        info.rank,
+        info.world_size,
+        rank_device(),
+        dist.get_backend(),
+        socket.gethostname(),
+    )
     install_handlers()
     attempt = Manifest(run.root).stage(stage_id)["attempts"]
     profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank, attempt) if cfg.profile.comm else None

@@ -53,7 +53,14 @@ def gather(batch: DataProto) -> list[DataProto]:
     device = batch.batch["responses"].device
     batches = [None] * dist.get_world_size()
     dist.all_gather_object(batches, padded.to("cpu"))  # pickled: moved by the host, whatever the device
-    return [b.to(device) for b in batches]
+    return [on_device(b, device) for b in batches]
+
+
+def on_device(batch: DataProto, device: torch.device) -> DataProto:
+    """Tensor by tensor: an unpickled batch is consolidated (one storage), and TensorDict moves that
+    by re-pointing views into one device buffer, which only devices with real storages support."""
+    tensors = {key: value.to(device) for key, value in batch.batch.items()}
+    return DataProto.from_dict(tensors=tensors, non_tensors=batch.non_tensor_batch, meta_info=batch.meta_info)
 
 
 def padded_to(batch: DataProto, prompt_width: int, response_width: int) -> DataProto:

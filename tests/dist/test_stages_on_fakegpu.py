@@ -1,0 +1,80 @@
+"""The stages on 2 ranks of the emulated accelerator (tests/fakegpu), as they would run on GPUs: every
+tensor that meets the model or a collective must be on the rank's device, and the group refuses CPU
+tensors as nccl does. SFT (micro-batches, loss sum, the preemption flag at every step boundary, the
+sharded eval's model and counts), GRPO (balance widths, log-prob passes, reward, rollout) and
+commbench's buffers run end to end; their results equal the same run's on the CPU, since the
+device computes with the same kernels."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import fakegpu
+from tests.conftest import REPO, hpcr1_env, hpcr1_run
+
+pytestmark = pytest.mark.dist
+SHORT_SFT = ["stage1_sft.steps=4", "stage1_sft.checkpoint_every=2"]
+SHORT_GRPO = [
+    "--only",
+    "stage1_sft,stage2_grpo",
+    "stage2_grpo.steps=2",
+    "stage2_grpo.checkpoint_every=2",
+    "stage2_grpo.prompts_per_step=4",
+    "stage2_grpo.group_size=4",
+    "stage2_grpo.max_new_tokens=16",
+]
+
+
+def on_device() -> dict[str, str]:
+    return fakegpu.child_env(hpcr1_env())
+
+
+def metrics(run_dir, stage_id: str) -> list[dict]:
+    lines = (run_dir / stage_id / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def rank_log(run_dir, stage_id: str) -> str:
+    return (run_dir / stage_id / "logs" / "rank-00000.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fakegpu")
+    made = {}
+
+    def get(name: str, *overrides: str, device: bool) -> object:
+        if name not in made:
+            made[name] = root / name
+            hpcr1_run(made[name], *overrides, env=on_device() if device else None)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo"])
+def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
+    overrides = SHORT_SFT + (SHORT_GRPO if kind == "grpo" else ["--only", "stage1_sft"])
+    device, cpu = runs(f"{kind}-device", *overrides, device=True), runs(f"{kind}-cpu", *overrides, device=False)
+    assert "on fakegpu:0" in rank_log(device, "stage1_sft"), "the ranks did not run on the emulated device"
+    for stage_id in ("stage1_sft", "stage2_grpo") if kind == "grpo" else ("stage1_sft",):
+        ours, reference = metrics(device, stage_id), metrics(cpu, stage_id)
+        key = "loss" if stage_id == "stage1_sft" else "reward/mean"
+        assert [m[key] for m in ours] == pytest.approx([m[key] for m in reference], rel=1e-5)
+        evals = [json.loads((d / stage_id / "eval.json").read_text()) for d in (device, cpu)]
+        assert evals[0] == evals[1] and evals[0]["n"] == 16
+
+
+def test_commbench_runs_on_the_device_with_its_backend(tmp_path):
+    out = tmp_path / "commbench.json"
+    argv = [sys.executable, "-m", "launch.commbench", "--nproc", "2", "--sizes", "1K,64K", "--iters", "2"]
+    proc = subprocess.run([*argv, "--warmup", "1", "--out", str(out)], cwd=REPO, env=on_device(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = json.loads(out.read_text())
+    assert bench["backend"] == "fakeccl" and bench["world_size"] == 2
+    assert all(r["latency_us"] > 0 for rows in bench["results"].values() for r in rows)
