@@ -40,4 +40,6 @@ def evaluate_model_dir(
 ) -> dict:
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(rank_device())
-    return evaluate(model, tokenizer, examples, max_new_tokens, batch_size)
+    result = evaluate(model, tokenizer, examples, max_new_tokens, batch_size)
+    # where rank 0 evaluated: on a GPU node the GPU, in the dtype the model was saved in
+    return {**result, "device": rank_device().type, "dtype": str(model.dtype).removeprefix("torch.")}
