@@ -71,6 +71,9 @@ class Hold:
     def __init__(self, ledger: Ledger, key: int) -> None:
         self._ledger, self._key = ledger, key
 
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        return self._key == storage._cdata
+
     def release(self) -> None:
         if self._key is not None:
             self._ledger._release(self._key)

@@ -52,6 +52,29 @@ class FakeGpuTensor(torch.Tensor):
         self._elem = elem
         self._counted = LEDGER.hold(elem.untyped_storage(), self.device.index)
 
+    def _follow_values(self) -> None:
+        """After an in-place op that changed the values' shape or storage (set_, resize_, squeeze_,
+        ...): the wrapper's own sizes and strides follow, set as the C++ `.data` setter sets them,
+        and the ledger counts the new storage."""
+        elem = self._elem
+        if (self.shape, self.stride(), self.storage_offset()) != (
+            elem.shape,
+            elem.stride(),
+            elem.storage_offset(),
+        ):
+            _DATA.__set__(self, FakeGpuTensor(elem, self.device))
+        storage = elem.untyped_storage()
+        if self._counted.holds(storage):
+            LEDGER.resized(storage)  # resize_ grows a storage in place
+        else:
+            self._counted.release()
+            self._point_at(elem)
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # The values' storage (its device says cpu): views share it and `set_` takes it, as with a
+        # device storage (TensorDict rebuilds a batch's tensors over one moved buffer so).
+        return self._elem.untyped_storage()
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @property
@@ -168,7 +191,10 @@ def _back(out, inputs, device: torch.device | None):
         if not isinstance(x, torch.Tensor):
             return x
         if id(x) in same:
-            return same[id(x)]
+            mutated = same[id(x)]
+            if isinstance(mutated, FakeGpuTensor):
+                mutated._follow_values()
+            return mutated
         return x if device is None else FakeGpuTensor(x, device)
 
     return tree_map(wrap, out)

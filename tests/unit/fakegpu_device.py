@@ -211,6 +211,25 @@ def deepcopy_of_a_module():
 
 
 @check
+def in_place_metadata_ops():
+    """set_ over another device tensor's storage (TensorDict's consolidated `.to(device)` builds a
+    batch so), resize_ and squeeze_: the device tensor's shape follows, and the ledger its storage."""
+    flat = torch.arange(10.0, device="fakegpu")
+    start = torch.fakegpu.memory_allocated()
+    view = torch.empty(0, device="fakegpu").set_(flat.untyped_storage(), 2, (2, 3), (3, 1))
+    flat.add_(100.0)
+    grown = torch.zeros(2, device="fakegpu").resize_(3, 3)
+    squeezed = torch.zeros(1, 3, device="fakegpu").squeeze_(0)
+    return {
+        "set_": [list(view.shape), view.cpu().tolist()],
+        "set_added_bytes": torch.fakegpu.memory_allocated() - start - 36 - 12,  # minus grown, squeezed
+        "resize_": list(grown.shape),
+        "squeeze_": list(squeezed.shape),
+        "shared_storage": view.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(),
+    }
+
+
+@check
 def streams_and_events():
     stream = torch.fakegpu.Stream(priority=-1)
     start, end = torch.fakegpu.Event(enable_timing=True), torch.fakegpu.Event(enable_timing=True)

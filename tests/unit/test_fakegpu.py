@@ -122,5 +122,15 @@ def test_deepcopy_makes_an_independent_device_module_and_counts_it(seen):
     }
 
 
+def test_in_place_metadata_ops_reshape_the_device_tensor(seen):
+    assert seen["in_place_metadata_ops"] == {
+        "set_": [[2, 3], [[102.0, 103.0, 104.0], [105.0, 106.0, 107.0]]],  # a view of flat's values
+        "set_added_bytes": 0,  # flat's storage, counted once
+        "resize_": [3, 3],
+        "squeeze_": [3],
+        "shared_storage": True,
+    }
+
+
 def test_streams_and_events(seen):
     assert seen["streams_and_events"] == {"elapsed_ms_ok": True, "stream_device": "fakegpu:0"}
