@@ -64,6 +64,7 @@ def install(device_count: int | None = None) -> None:
     ccl.register_backend()
     after_import(fsdp.PARAM_MODULE, fsdp.patch)
     after_import(fsdp.GROUP_MODULE, fsdp.patch)
+    after_import(moves.FSDP_INIT, moves.patch_fsdp_init)
     after_import("deepspeed.accelerator.real_accelerator", _install_deepspeed_accelerator)
     after_import("stages.engines.cpu_shim", _install_megatron_shim)
 

@@ -99,8 +99,9 @@ def ddp_grads(device: torch.device, rank: int) -> list[torch.Tensor]:
 
 
 def fsdp2_grads(device: torch.device, rank: int) -> list[torch.Tensor]:
-    """Gradients of FSDP2 (each layer a unit), gathered whole."""
-    m = model().to(device)
+    """Gradients of FSDP2 (each layer a unit), gathered whole; the model handed to it on the CPU
+    (FSDP2 moves it to the mesh's device)."""
+    m = model()
     for layer in (m[0], m[2], m):
         fully_shard(layer, mesh=init_device_mesh(device.type, (dist.get_world_size(),)))
     x, y = (t.to(device) for t in batch(rank))
