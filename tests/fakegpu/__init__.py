@@ -14,6 +14,8 @@ In torchrun ranks: `env = fakegpu.child_env(env)`; a process started with that e
 Not emulated (each fails loudly rather than differ silently): `torch.autocast("fakegpu")`, pinned
 host memory, `torch.Generator(device="fakegpu")` (the CPU generator computes the device's random
 numbers), and `param.data = cpu_tensor` on a device parameter (CUDA allows it; here it raises).
+Differences left: a device tensor's `untyped_storage()` is its values' CPU storage (shared by views,
+as on a GPU, but its device says cpu), and gloo groups take device tensors for every collective.
 
 Parts: guard.cpp (device index and count), device.py (`torch.fakegpu`), ledger.py (device
 memory), tensor.py (the device's tensors and kernels), moves.py (Module.to keeps parameters),
