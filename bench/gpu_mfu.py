@@ -112,7 +112,7 @@ def build_engine(hf_config, args):
     from megatron.core import parallel_state, tensor_parallel
 
     from core.config import ParallelConfig, SFTStage
-    from stages.engines.megatron_deepspeed import MegatronMpu, deepspeed_config
+    from stages.engines.megatron_deepspeed import MegatronMpu, deepspeed_config, device_args
     from stages.models.megatron_llama import build_megatron_llama
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
@@ -128,7 +128,11 @@ def build_engine(hf_config, args):
     model = build_megatron_llama(hf_config, params_dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=deepspeed_config(stage, dp), mpu=MegatronMpu()
+        args=device_args(torch.device("cuda", torch.cuda.current_device())),
+        model=model,
+        optimizer=optimizer,
+        config=deepspeed_config(stage, dp),
+        mpu=MegatronMpu(),
     )
     return engine, dp
 

@@ -68,6 +68,19 @@ def release_cached_memory() -> None:
         torch.accelerator.empty_cache()
 
 
+def device_index(local_rank: int, visible: int) -> int:
+    """The rank's device among those it sees: its local rank where it sees the node's every device,
+    the only one where the launcher bound one device to each task (`srun --gpus-per-task=1`)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise RuntimeError(
+            f"local rank {local_rank} sees {visible} devices: start one rank a device "
+            "(tasks per node = GPUs per node), or bind one device to each task"
+        )
+    return local_rank
+
+
 def default_backend() -> str:
     return dist.get_default_backend_for_device(accelerator_type() or "cpu")
 
@@ -82,7 +95,7 @@ def init_distributed(backend: str | None = None) -> RankInfo:
     # DeepSpeed and megatron read the torchrun variables; under srun or mpirun only ours know them.
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     if accelerator_type() is not None:
-        torch.accelerator.set_device_index(info.local_rank)
+        torch.accelerator.set_device_index(device_index(info.local_rank, torch.accelerator.device_count()))
     dist.init_process_group(backend or default_backend(), rank=info.rank, world_size=info.world_size)
     return info
 

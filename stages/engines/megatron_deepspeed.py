@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import deepspeed
 import numpy as np
@@ -106,6 +107,7 @@ class MegatronDeepSpeedEngine:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.engine, *_ = deepspeed.initialize(
+            args=device_args(self.device),
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
@@ -163,6 +165,12 @@ class MegatronDeepSpeedEngine:
         self.engine.destroy()
         self.engine = None
         parallel_state.destroy_model_parallel()
+
+
+def device_args(device: torch.device) -> SimpleNamespace | None:
+    """DeepSpeed selects the device of LOCAL_RANK unless told which: where one GPU is bound to each
+    task (`srun --gpus-per-task=1`) every rank's is index 0, and LOCAL_RANK's does not exist."""
+    return None if device.index is None else SimpleNamespace(device_rank=device.index)
 
 
 def _decay_groups(model: torch.nn.Module):

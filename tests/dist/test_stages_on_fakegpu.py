@@ -79,3 +79,11 @@ def test_commbench_runs_on_the_device_with_its_backend(tmp_path):
     bench = json.loads(out.read_text())
     assert bench["backend"] == "fakeccl" and bench["world_size"] == 2
     assert all(r["latency_us"] > 0 for rows in bench["results"].values() for r in rows)
+
+
+def test_sft_runs_where_each_rank_sees_only_its_own_device(tmp_path):
+    """`srun --gpus-per-task=1` binds one GPU to each task: every rank sees one device, index 0."""
+    env = {**on_device(), "HPCR1_FAKEGPU_DEVICES": "1"}
+    run_dir = tmp_path / "bound"
+    hpcr1_run(run_dir, *SHORT_SFT, "--only", "stage1_sft", env=env)
+    assert "rank 1 of 2 on fakegpu:0" in (run_dir / "stage1_sft" / "logs" / "rank-00001.log").read_text()
