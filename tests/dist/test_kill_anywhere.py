@@ -19,8 +19,9 @@ KILLED_AFTER = [(0, 11), (1, 3), (3, 3)]
 def test_killed_pipeline_resumes_to_the_uninterrupted_weights(tmp_path):
     overrides = pipeline_overrides(nproc=2)
     timeline, _ = run_to_end(tmp_path / "uninterrupted", overrides, tmp_path / "uninterrupted.log")
-    reached = {progress: t for t, progress in reversed(timeline)}
-    points = [point_at(timeline, reached[after] + 0.1) for after in KILLED_AFTER]
+    # The first time the run had got at least that far: at tens of steps a second, a step can
+    # pass between two polls of the progress and never be seen on its own.
+    points = [point_at(timeline, min(t for t, p in timeline if p >= after) + 0.1) for after in KILLED_AFTER]
 
     hit, outlived = kill_and_resume(tmp_path / "killed", overrides, points, tmp_path)
     run_to_end(tmp_path / "killed", overrides, tmp_path / "final-resume.log")
