@@ -47,20 +47,13 @@ def balance_across_ranks(batch: DataProto, mini_batches: int, group_size: int) -
 def gather(batch: DataProto) -> list[DataProto]:
     """Every rank's batch, in rank order, padded to the widest prompt and response of any rank."""
     prompt, response = batch.batch["prompts"].shape[1], batch.batch["responses"].shape[1]
-    widths = torch.tensor([prompt, response], device=batch.batch["responses"].device)
+    device = batch.batch["responses"].device
+    widths = torch.tensor([prompt, response], device=device)
     dist.all_reduce(widths, op=dist.ReduceOp.MAX)
     padded = padded_to(batch, *widths.tolist())
-    device = batch.batch["responses"].device
     batches = [None] * dist.get_world_size()
     dist.all_gather_object(batches, padded.to("cpu"))  # pickled: moved by the host, whatever the device
-    return [on_device(b, device) for b in batches]
-
-
-def on_device(batch: DataProto, device: torch.device) -> DataProto:
-    """Tensor by tensor: an unpickled batch is consolidated (one storage), and TensorDict moves that
-    by re-pointing views into one device buffer, which only devices with real storages support."""
-    tensors = {key: value.to(device) for key, value in batch.batch.items()}
-    return DataProto.from_dict(tensors=tensors, non_tensors=batch.non_tensor_batch, meta_info=batch.meta_info)
+    return [b.to(device) for b in batches]
 
 
 def padded_to(batch: DataProto, prompt_width: int, response_width: int) -> DataProto:
