@@ -93,6 +93,19 @@ class DataConfig(Section):
     """JSONL or Parquet held-out set."""
 
 
+class VerlRolloutConfig(Section):
+    """How verl's rollout engine generates (read only where the engine is 'verl')."""
+
+    rollout: Literal["vllm", "sglang"] = "vllm"
+    """Inference engine that generates."""
+    rollout_tp: PositiveInt = 4
+    """GPUs one rollout engine instance spans (tensor parallel); divides the GPUs of a node."""
+    gpu_memory_utilization: Probability = 0.6
+    """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
+    max_prompt_length: PositiveInt = 512
+    """Longest prompt in tokens, chat template included; a longer prompt is an error, not truncated."""
+
+
 class EvalConfig(Section):
     num_examples: PositiveInt = 200
     """Held-out examples scored after each stage (greedy decoding)."""
@@ -100,6 +113,13 @@ class EvalConfig(Section):
     """Generation budget per answer."""
     batch_size: PositiveInt = 50
     """Prompts generated together per rank."""
+    engine: Literal["native", "verl"] = "native"
+    """What generates the held-out answers of stages that do not run on verl: 'native' (each
+    rank loads the whole model in its dtype and decodes its share) or 'verl' (verl's generation
+    server after training, for models one GPU cannot hold; GPU clusters only). A GRPO stage on verl
+    is always scored by verl's own validation."""
+    verl: VerlRolloutConfig = VerlRolloutConfig()
+    """The rollout engine's settings (engine 'verl')."""
 
 
 class ParallelConfig(Section):
@@ -158,7 +178,7 @@ class SFTStage(Section):
         return [src for src in (self.init_from, self.data) if src not in ("base", "curated")]
 
 
-class VerlConfig(Section):
+class VerlConfig(VerlRolloutConfig):
     """What verl's trainer needs that the GRPO fields do not say (read only when engine is 'verl')."""
 
     backend: Literal["fsdp", "megatron"] = "fsdp"
@@ -167,20 +187,12 @@ class VerlConfig(Section):
     """Tensor-parallel size of the megatron actor and reference (backend 'megatron')."""
     megatron_pp: PositiveInt = 1
     """Pipeline-parallel size of the megatron actor and reference (backend 'megatron')."""
-    rollout: Literal["vllm", "sglang"] = "vllm"
-    """Inference engine that generates the rollouts."""
-    rollout_tp: PositiveInt = 4
-    """GPUs one rollout engine instance spans (tensor parallel); divides the GPUs of a node."""
-    gpu_memory_utilization: Probability = 0.6
-    """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
     param_offload: bool = False
     """FSDP: keep the actor's and reference's parameters in host memory between uses."""
     optimizer_offload: bool = False
     """FSDP: keep the actor's optimizer states in host memory between updates."""
     micro_batch_size_per_gpu: PositiveInt = 1
     """Sequences per forward/backward on one GPU, for the update and for log-probs."""
-    max_prompt_length: PositiveInt = 512
-    """Longest prompt in tokens, chat template included; a longer prompt is an error, not truncated."""
     profile_steps: list[PositiveInt] = [2]
     """Steps recorded by the torch profiler (when profile.comm is on); their traces become
     <stage>/profile/ events."""
@@ -282,6 +294,12 @@ class GRPOStage(Section):
 
 
 class SynthStage(Section):
+    engine: Literal["native", "verl"] = "native"
+    """'native': the in-tree sampler (torchrun, one whole fp32 model a rank, runs anywhere);
+    'verl': verl's generation server (vLLM/SGLang replicas on Ray; GPU clusters only, through
+    `hpcr1 submit`). Either way the same reward filter keeps the answers."""
+    verl: VerlRolloutConfig = VerlRolloutConfig()
+    """The rollout engine's settings (engine 'verl')."""
     init_from: str = "stage2_grpo"
     """The stage whose final/ model generates the data."""
     num_prompts: PositiveInt = 2000
