@@ -5,14 +5,16 @@ Native GRPO (stages/grpo): the actor and reference in fp32 (engines/ddp.py, engi
 on every rank under DDP or sharded over the N ranks under FSDP2; the actor's gradients and AdamW's
 two states in fp32 likewise; the rollout's own whole fp32 copy (grpo/rollout.py); under FSDP2 the
 weight sync gathers every unit at once (fsdp2.gathered_parameters), a second whole fp32 copy for
-its duration. Native synthesis (stages/synth.py) loads one whole fp32 copy a rank.
+its duration. Native synthesis (stages/synth.py) loads one whole fp32 copy a rank. Native held-out
+eval (stages/eval.py, eval.engine 'native') loads the exported model whole on every rank, in the
+dtype it was saved in: bf16 for a bf16 SFT stage, fp32 otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import GRPOStage, RunConfig, SynthStage
+from core.config import GRPOStage, RunConfig, SFTStage, SynthStage, engine_of
 
 FP32 = 4
 GiB = 2**30
@@ -41,19 +43,34 @@ def grpo_residency(stage_id: str, g: GRPOStage, P: int, N: int) -> Residency:
 
 
 def synth_residency(stage_id: str, P: int) -> Residency:
-    instead = "use larger GPUs or a smaller model: synthesis has no sharded engine yet"
+    instead = f"set {stage_id}.engine=verl (verl's generation server: vLLM replicas with tensor parallelism)"
     return Residency(stage_id, "4·P (one whole fp32 copy a rank)", FP32 * P, stage_id, instead)
 
 
+def eval_residency(stage_id: str, stage: SFTStage | GRPOStage, P: int) -> Residency:
+    width, dtype = (2, "bf16") if isinstance(stage, SFTStage) and stage.dtype == "bf16" else (FP32, "fp32")
+    return Residency(
+        stage_id,
+        f"{width}·P (eval: the exported {dtype} model, whole on every rank)",
+        width * P,
+        "eval.engine",
+        "set eval.engine=verl (verl's generation server answers the held-out prompts)",
+    )
+
+
 def native_residencies(cfg: RunConfig, P: int, stage_ids: list[str]) -> list[Residency]:
-    """The native-engine stages among `stage_ids`, with what each holds a GPU."""
+    """The native-engine stages and evals among `stage_ids`, with what each holds a GPU."""
     out = []
     for sid in stage_ids:
         stage = getattr(cfg, sid)
-        if isinstance(stage, GRPOStage) and stage.engine == "native":
+        if engine_of(stage) == "verl":
+            continue  # verl's engines shard and offload: the planner's business
+        if isinstance(stage, GRPOStage):
             out.append(grpo_residency(sid, stage, P, cfg.nproc))
-        elif isinstance(stage, SynthStage):
+        if isinstance(stage, SynthStage):
             out.append(synth_residency(sid, P))
+        elif cfg.eval.engine == "native":
+            out.append(eval_residency(sid, stage, P))
     return out
 
 

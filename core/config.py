@@ -366,6 +366,11 @@ class RunConfig(Section):
         return {sid: getattr(self, sid) for sid in STAGE_IDS if getattr(self, sid, None) is not None}
 
 
+def engine_of(stage: SFTStage | GRPOStage | SynthStage) -> str:
+    """The engine a stage runs on; SFT has only ours."""
+    return getattr(stage, "engine", "native")
+
+
 def load_config(path: str | Path, overrides: list[str] = (), data_files: bool = True) -> RunConfig:
     """`data_files=False` skips checking that the data files exist (the planner reads no data)."""
     raw = _read_yaml(Path(path))

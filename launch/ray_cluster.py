@@ -1,6 +1,6 @@
 """Waiting until the Ray cluster of a verl job is whole: every node of the allocation joined, with
 its GPUs. Polls the cluster's own node table (no fixed sleeps), with a deadline and a message that
-says what is missing. Run by slurm/templates/verl_grpo.sbatch:
+says what is missing. Run by slurm/templates/verl_stage.sbatch:
 
     python -m launch.ray_cluster ADDRESS NODES GPUS_PER_NODE TIMEOUT_S
 """

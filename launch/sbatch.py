@@ -16,7 +16,7 @@ from pathlib import Path
 from core.cluster import ClusterProfile
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
-VERL_TEMPLATE = TEMPLATE.with_name("verl_grpo.sbatch")
+VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
 REPO = Path(__file__).resolve().parents[1]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -63,7 +63,8 @@ def render_stage_script(
 def render_verl_script(
     profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str = sys.executable
 ) -> str:
-    """A GRPO stage with engine 'verl': Ray on the allocation with the profile's ports, then the stage."""
+    """A stage whose job runs verl (stages.engines.verl_trainer.verl_stages): Ray on the allocation
+    with the profile's ports, then the stage."""
     return _render(
         VERL_TEMPLATE,
         profile,

@@ -1,11 +1,14 @@
-"""A verl GRPO stage inside its Slurm allocation, once slurm/templates/verl_grpo.sbatch has Ray
-up on every node: check the config against verl again, write verl's data, run
-`verl.trainer.main_ppo` (it joins the running Ray cluster through RAY_ADDRESS), then hand its
-results over in our formats: final/ (merged from verl's last checkpoint), profile/ events from its
-torch-profiler traces, and eval.json from its validation of the last step's policy.
+"""A stage job that runs verl, once slurm/templates/verl_stage.sbatch has Ray up on every node of
+the allocation (verl joins it through RAY_ADDRESS):
+- GRPO on verl: check the config against verl again, write verl's data, run `verl.trainer.main_ppo`,
+  then hand its results over in our formats: final/ (merged from verl's last checkpoint), profile/
+  events from its torch-profiler traces, and eval.json from its validation of the last step's policy;
+- synthesis on verl: verl's generation server samples, our reward filter keeps (stages/synth.py);
+- any other stage when eval.engine is 'verl': our ranks train, then the generation server answers
+  the held-out prompts greedily and our reward scores them.
 
-`hpcr1 stage` calls `run_verl_stage` in place of the srun launcher, so the manifest treats the
-stage like any other: done only when final/ and eval.json are there.
+`hpcr1 stage` calls `verl_launcher(cfg, sid)` in place of the srun launcher, so the manifest
+treats the stage like any other: done only when final/ and eval.json are there.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ import traceback
 from pathlib import Path
 
 from core.atomic import atomic_write_text
-from core.config import load_resolved
+from core.config import GRPOStage, RunConfig, SynthStage, VerlRolloutConfig, engine_of, load_resolved
 from core.rundir import RunDir
 from launch.local import repo_env
+from launch.slurm_launch import run_stage_in_allocation
+from runtime.phases import phase
 from runtime.preemption import PREEMPTED_EXIT
 from runtime.rank_failure import record_exception
-from stages.data.examples import DataError, read_examples
+from stages.data.examples import DataError, Example, read_examples
+from stages.engines.verl_generation import (
+    GREEDY,
+    Sampling,
+    check_generation,
+    generation_overrides,
+    read_responses,
+)
+from stages.engines.verl_generation import MODULE as GENERATION_MODULE
 from stages.engines.verl_io import (
     check_prompt_lengths,
     held_out_result,
@@ -35,32 +48,152 @@ from stages.engines.verl_io import (
     write_metrics,
     write_parquet,
 )
-from stages.engines.verl_trainer import DATA_SOURCE, check_verl_stage, verl_paths
+from stages.engines.verl_trainer import DATA_SOURCE, check_verl_stage, uses_verl, verl_paths
+from stages.eval import accuracy_of, tally
+from stages.synth import accepted_answers, write_outputs
 
 
 def run_verl_stage(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
-    """Returns main_ppo's exit code (PREEMPTED_EXIT when stopped by the job's USR1 signal), or 1
-    with the exception recorded where the driver looks for a failed rank's (logs/rank-00000.*).
-    `pass_fds`: descriptors main_ppo inherits (the run directory's lock)."""
+    """A GRPO stage on verl: main_ppo's exit code. `pass_fds`: descriptors the children inherit
+    (the run directory's lock)."""
+    return _verl_job(run_dir, sid, lambda cfg, run, nodes: _train_on_verl(cfg, run, sid, nodes, pass_fds))
+
+
+def run_verl_synth(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
+    """A synthesis stage on verl's generation server; our reward filter keeps the answers."""
+    return _verl_job(
+        run_dir, sid, lambda cfg, run, nodes: _synthesise_on_verl(cfg, run, sid, nodes, pass_fds)
+    )
+
+
+def run_then_eval_on_verl(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
+    """A stage on our engines whose held-out answers come from verl (eval.engine 'verl'): the ranks
+    train and export final/ (their srun step shares the nodes with Ray's, which are --overlap), then
+    verl's generation server answers the held-out prompts greedily."""
+    rc = run_stage_in_allocation(run_dir, sid, pass_fds)
+    if rc != 0:
+        return rc
+    return _verl_job(run_dir, sid, lambda cfg, run, nodes: _evaluate_on_verl(cfg, run, sid, nodes, pass_fds))
+
+
+def verl_launcher(cfg: RunConfig, sid: str):
+    """What runs stage `sid` inside its Slurm allocation."""
+    stage = getattr(cfg, sid)
+    if not uses_verl(cfg, stage):
+        return run_stage_in_allocation
+    if engine_of(stage) != "verl":
+        return run_then_eval_on_verl
+    return run_verl_synth if isinstance(stage, SynthStage) else run_verl_stage
+
+
+def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> None:
+    """Everything verl would refuse in stage `sid`'s job, before it is queued (ConfigError)."""
+    stage = getattr(cfg, sid)
+    if engine_of(stage) == "verl" and isinstance(stage, GRPOStage):
+        check_verl_stage(cfg, run, sid, nnodes, gpus_per_node)
+        return
+    field, rollout, sampling = generation_of(cfg, sid)
+    paths = generation_paths(run, sid)
+    overrides = generation_overrides(
+        Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
+    )
+    check_generation(field, rollout, sampling, overrides, gpus_per_node)
+
+
+def generation_of(cfg: RunConfig, sid: str) -> tuple[str, VerlRolloutConfig, Sampling]:
+    """(config section, rollout settings, sampling) of the generation stage `sid`'s job runs on verl."""
+    stage = getattr(cfg, sid)
+    if isinstance(stage, SynthStage) and stage.engine == "verl":
+        sampling = Sampling(stage.samples_per_prompt, stage.temperature, stage.top_p, stage.max_new_tokens)
+        return sid, stage.verl, sampling
+    return "eval", cfg.eval.verl, Sampling(1, GREEDY, 1.0, cfg.eval.max_new_tokens)
+
+
+def generation_paths(run: RunDir, sid: str) -> dict[str, Path]:
+    data = run.stage(sid).resolve() / "verl_data"
+    return {"prompts": data / "generation_prompts.parquet", "output": data / "generation_answers.parquet"}
+
+
+def _verl_job(run_dir: Path, sid: str, body) -> int:
+    """`body(cfg, run, (nnodes, gpus_per_node))`'s exit code, or 1 with the exception recorded where
+    the driver looks for a failed rank's (logs/rank-00000.*)."""
     run = RunDir(run_dir)
     try:
         cfg = load_resolved(run)
         if "RAY_ADDRESS" not in os.environ:
             raise RuntimeError(
-                "RAY_ADDRESS is not set: a verl stage runs from verl_grpo.sbatch, after it has "
+                "RAY_ADDRESS is not set: a verl job runs from verl_stage.sbatch, after it has "
                 "started Ray on the allocation"
             )
-        nnodes, gpus_per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["HPCR1_GPUS_PER_NODE"])
-        overrides = check_verl_stage(cfg, run, sid, nnodes, gpus_per_node)
-        write_verl_data(cfg, run, sid)
-        rc = _run_main_ppo(run, sid, overrides, pass_fds)
-        if rc == 0:
-            finish_verl_stage(cfg, run, sid)
-        return rc
+        return body(cfg, run, (int(os.environ["SLURM_NNODES"]), int(os.environ["HPCR1_GPUS_PER_NODE"])))
     except Exception as e:
         record_exception(run.logs(sid), 0, e)
         traceback.print_exc()
         return 1
+
+
+def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    overrides = check_verl_stage(cfg, run, sid, *nodes)
+    write_verl_data(cfg, run, sid)
+    rc = _run_verl(run, sid, "verl.trainer.main_ppo", overrides, pass_fds)
+    if rc == 0:
+        finish_verl_stage(cfg, run, sid)
+    return rc
+
+
+def _generate_on_verl(
+    cfg, run: RunDir, sid: str, model_dir: Path, examples: list[Example], nodes: tuple[int, int], pass_fds
+) -> list[list[str]] | int:
+    """verl's answers to `examples` from `model_dir` (a list of n a prompt), or its exit code."""
+    from transformers import AutoTokenizer
+
+    field, rollout, sampling = generation_of(cfg, sid)
+    paths = generation_paths(run, sid)
+    overrides = generation_overrides(
+        model_dir.resolve(), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, *nodes
+    )
+    check_generation(field, rollout, sampling, overrides, nodes[1])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    check_prompt_lengths(examples, tokenizer, rollout.max_prompt_length, f"{field}.verl.max_prompt_length")
+    write_parquet(paths["prompts"], verl_rows(examples, "generation", DATA_SOURCE))
+    paths["output"].unlink(missing_ok=True)  # an earlier attempt's
+    with phase("generation"):
+        rc = _run_verl(run, sid, GENERATION_MODULE, overrides, pass_fds)
+    return rc if rc != 0 else read_responses(paths["output"], len(examples), sampling.n)
+
+
+def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    stage = getattr(cfg, sid)
+    model_dir = run.model_dir(stage.init_from)
+    prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
+    answers = _generate_on_verl(cfg, run, sid, model_dir, prompts, nodes, pass_fds)
+    if isinstance(answers, int):
+        return answers
+    with phase("scoring"):
+        accepted = accepted_answers(prompts, answers)
+    replicas = nodes[0] * nodes[1] // stage.verl.rollout_tp
+    write_outputs(
+        cfg,
+        run,
+        sid,
+        prompts,
+        accepted,
+        len(prompts) * stage.samples_per_prompt,
+        model_dir,
+        {"replicas": replicas},
+    )
+    return 0
+
+
+def _evaluate_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    examples = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
+    answers = _generate_on_verl(cfg, run, sid, run.final(sid), examples, nodes, pass_fds)
+    if isinstance(answers, int):
+        return answers
+    result = accuracy_of(tally(examples, [a[0] for a in answers]))
+    atomic_write_text(run.eval_result(sid), json.dumps({**result, "engine": "verl"}))
+    print(f"{sid}: held-out accuracy {result['accuracy']:.3f} on {result['n']} examples (verl)", flush=True)
+    return 0
 
 
 def write_verl_data(cfg, run: RunDir, sid: str) -> None:
@@ -83,17 +216,18 @@ def write_verl_data(cfg, run: RunDir, sid: str) -> None:
     write_parquet(paths["val"], verl_rows(held_out, "eval", DATA_SOURCE))
 
 
-def _run_main_ppo(run: RunDir, sid: str, overrides: list[str], pass_fds: tuple[int, ...]) -> int:
-    """main_ppo's output goes to logs/rank-00000.log, where a failure's traceback is looked for.
-    On USR1 (the job nears its time limit) it is stopped: the requeued job resumes from verl's
-    newest checkpoint (trainer.resume_mode=auto), losing the steps since then."""
+def _run_verl(run: RunDir, sid: str, module: str, overrides: list[str], pass_fds: tuple[int, ...]) -> int:
+    """verl's `module` with `overrides`; its output goes to logs/rank-00000.log, where a failure's
+    traceback is looked for. On USR1 (the job nears its time limit) it is stopped: the requeued job
+    resumes GRPO from verl's newest checkpoint (trainer.resume_mode=auto), losing the steps since
+    then; generation starts over."""
     env = repo_env()
     env["VERL_FILE_LOGGER_PATH"] = str(verl_paths(run, sid)["metrics"])
     env.setdefault("WANDB_DIR", str(run.stage(sid).resolve()))
     run.logs(sid).mkdir(parents=True, exist_ok=True)
     with open(run.logs(sid) / "rank-00000.log", "a") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+            [sys.executable, "-m", module, *overrides],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

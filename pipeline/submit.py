@@ -19,11 +19,11 @@ from core.config import ConfigError, RunConfig, load_resolved
 from core.manifest import Manifest
 from core.rundir import RunDir
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
-from launch.slurm_launch import requeue_self, run_stage_in_allocation
-from launch.verl_job import run_verl_stage
+from launch.slurm_launch import requeue_self
+from launch.verl_job import check_verl_job, verl_launcher
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.runlock import hold_run_dir
-from stages.engines.verl_trainer import check_verl_stage, verl_stages
+from stages.engines.verl_trainer import verl_stages
 
 
 def submit(
@@ -47,7 +47,7 @@ def submit(
             f"tasks per node of cluster profile {profile.name!r}: set nproc={world}",
         )
     for sid in verl_stages(cfg, only):
-        check_verl_stage(cfg, run, sid, nodes, profile.gpus_per_node)
+        check_verl_job(cfg, run, sid, nodes, profile.gpus_per_node)
     refuse_native_overflow(cfg, config_dir, profile, only)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
@@ -106,7 +106,7 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
     job holds the run directory like `hpcr1 run` does (its launcher too), so a local run or resume
     started meanwhile is refused instead of writing beside it."""
     cfg = load_resolved(run)
-    launch = run_verl_stage if stage_id in verl_stages(cfg) else run_stage_in_allocation
+    launch = verl_launcher(cfg, stage_id)
     with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
         try:
             run_stage(

@@ -26,12 +26,20 @@ def evaluate(model, tokenizer, examples: list[Example], max_new_tokens: int, bat
     for i in range(0, len(mine), batch_size):
         chunk = mine[i : i + batch_size]
         responses = generate_responses(model, tokenizer, [ex.prompt for ex in chunk], max_new_tokens)
-        for ex, response in zip(chunk, responses):
-            s = score(response, ex.answer)
-            counts += torch.tensor([s.correct, s.format_ok, 1], dtype=torch.float64, device=device)
+        counts += torch.tensor(tally(chunk, responses), dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(counts)
-    correct, well_formed, n = counts.tolist()
+    return accuracy_of(counts.tolist())
+
+
+def tally(examples: list[Example], responses: list[str]) -> list[int]:
+    """[correct, well-formed, scored] of one answer per example, whichever engine wrote them."""
+    scores = [score(response, ex.answer) for ex, response in zip(examples, responses, strict=True)]
+    return [sum(s.correct for s in scores), sum(s.format_ok for s in scores), len(scores)]
+
+
+def accuracy_of(counts: list[float]) -> dict:
+    correct, well_formed, n = counts
     return {"accuracy": correct / max(n, 1), "format_rate": well_formed / max(n, 1), "n": int(n)}
 
 

@@ -16,6 +16,7 @@ eval.json reports the acceptance rate (kept / sampled) as `accuracy` over `n` sa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -65,14 +66,24 @@ def sample_batch(
         responses = generate_responses(
             model, tokenizer, repeated, stage.max_new_tokens, stage.temperature, stage.top_p
         )
-    accepted = []
     with phase("scoring"):
-        for row, response in enumerate(responses):
-            offset, sample = divmod(row, stage.samples_per_prompt)
-            s = score(response, prompts[offset].answer)
+        per_prompt = [
+            responses[i : i + stage.samples_per_prompt]
+            for i in range(0, len(responses), stage.samples_per_prompt)
+        ]
+        return accepted_answers(prompts, per_prompt, first), len(responses)
+
+
+def accepted_answers(prompts: list[Example], responses: list[list[str]], first: int = 0) -> list[Candidate]:
+    """The samples (`responses[i]` answers `prompts[i]`, whose index in the prompt set is first + i)
+    that the task's reward scores correct and well-formed: the one filter of every engine."""
+    accepted = []
+    for offset, (ex, samples) in enumerate(zip(prompts, responses, strict=True)):
+        for sample, response in enumerate(samples):
+            s = score(response, ex.answer)
             if s.correct and s.format_ok:
                 accepted.append(Candidate(first + offset, sample, response, s.reward))
-    return accepted, len(responses)
+    return accepted
 
 
 def keep_distinct(candidates: list[Candidate], max_per_prompt: int) -> list[Candidate]:
@@ -125,16 +136,36 @@ def run(ctx: StageContext) -> None:
     with phase("gather"):
         gathered = gather_to_main((mine, sampled, batches_taken, busy))
     if ctx.is_main:
-        write_outputs(ctx, prompts, gathered, model_dir, take_phase_times())
+        times = [t for *_, t in gathered]
+        spread = {
+            "generation_time_s_per_rank": times,
+            "batches_per_rank": [b for _, _, b, _ in gathered],
+            "imbalance_slowest_over_fastest": max(times) / max(min(times), 1e-9),
+        }
+        candidates = [c for mine, *_ in gathered for c in mine]
+        sampled = sum(n for _, n, _, _ in gathered)
+        write_outputs(ctx.cfg, ctx.run, ctx.stage_id, prompts, candidates, sampled, model_dir, spread)
+        ctx.log.info(
+            "generation time per rank %s s, slowest/fastest %.2f",
+            [round(t, 1) for t in times],
+            spread["imbalance_slowest_over_fastest"],
+        )
     dist.barrier()
 
 
 def write_outputs(
-    ctx: StageContext, prompts: list[Example], gathered: list, model_dir, phase_times: dict
-) -> None:
-    stage, run = ctx.stage, ctx.run
-    candidates = [c for mine, *_ in gathered for c in mine]
-    sampled = sum(n for _, n, _, _ in gathered)
+    cfg,
+    run,
+    sid: str,
+    prompts: list[Example],
+    candidates: list[Candidate],
+    sampled: int,
+    model_dir,
+    extra: dict,
+) -> dict:
+    """The dataset, final/, metrics and eval.json of a synthesis stage from its accepted answers,
+    whichever engine sampled them; `extra` (the engine's own figures) joins the summary."""
+    stage = getattr(cfg, sid)
     kept = keep_distinct(candidates, stage.max_per_prompt)
     if not kept:
         raise RuntimeError(
@@ -160,11 +191,10 @@ def write_outputs(
         }
         for c in kept
     ]
-    data = run.synthetic_data(ctx.stage_id)
+    data = run.synthetic_data(sid)
     write_examples(data, examples, extra=provenance)
-
-    busy = [t for *_, t in gathered]
     summary = {
+        "engine": stage.engine,
         "model": model,
         "prompts": len(prompts),
         "sampled": sampled,
@@ -172,43 +202,38 @@ def write_outputs(
         "kept": len(kept),
         "prompts_covered": len({c.prompt_index for c in kept}),
         "acceptance_rate": len(candidates) / max(sampled, 1),
-        "generation_time_s_per_rank": busy,
-        "batches_per_rank": [b for _, _, b, _ in gathered],
-        "imbalance_slowest_over_fastest": max(busy) / max(min(busy), 1e-9),
+        **extra,
     }
-    publish_final(ctx, data, summary)
-    cfg = ctx.cfg
+    publish_final(run, sid, data, summary)
     metrics = MetricsLogger(
-        run.metrics(ctx.stage_id),
+        run.metrics(sid),
         True,
         0,
         cfg.wandb.mode,
         cfg.wandb.project,
-        f"{run.root.name}/{ctx.stage_id}",
+        f"{run.root.name}/{sid}",
         cfg.model_dump(mode="json"),
     )
-    metrics.log(1, {**summary, **{f"phase_time/{k}": v for k, v in phase_times.items()}})
+    metrics.log(1, {**summary, **{f"phase_time/{k}": v for k, v in take_phase_times().items()}})
     metrics.close()
     atomic_write_text(
-        run.eval_result(ctx.stage_id),
+        run.eval_result(sid),
         json.dumps({"accuracy": summary["acceptance_rate"], "n": sampled, "kept": len(kept)}),
     )
-    ctx.log.info(
-        "kept %d of %d samples (%d correct) for %d of %d prompts; generation time per rank %s s, "
-        "slowest/fastest %.2f",
+    logging.getLogger(f"hpcr1.{sid}").info(
+        "kept %d of %d samples (%d correct) for %d of %d prompts",
         len(kept),
         sampled,
         len(candidates),
         summary["prompts_covered"],
         len(prompts),
-        [round(t, 1) for t in busy],
-        summary["imbalance_slowest_over_fastest"],
     )
+    return summary
 
 
-def publish_final(ctx: StageContext, data, summary: dict) -> None:
+def publish_final(run, sid: str, data, summary: dict) -> None:
     """final/ = the dataset and its provenance, assembled aside and renamed into place."""
-    final = ctx.run.final(ctx.stage_id)
+    final = run.final(sid)
     staging = final.with_name("final.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

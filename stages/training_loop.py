@@ -103,6 +103,8 @@ def finish(ctx: StageContext, engine, init_dir) -> None:
     release_cached_memory()
     ctx.log.info("exported %s", final)
     cfg = ctx.cfg
+    if cfg.eval.engine == "verl":  # the job's verl generation server scores final/ once the ranks exit
+        return
     examples = read_examples(ctx.run.task_file("eval"))[: cfg.eval.num_examples]
     ctx.begin_step(ctx.stage.steps + 1)  # the evaluation's own step in the profile
     with phase("eval"):

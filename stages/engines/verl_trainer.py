@@ -3,7 +3,7 @@
 
 Every key below is one the installed verl's `ppo_trainer` config has (Hydra rejects any other);
 tests/unit/test_verl_engine.py composes the 70B config to prove it. What runs the trainer on a
-cluster (Ray, vLLM) lives in launch/verl_job.py and slurm/templates/verl_grpo.sbatch.
+cluster (Ray, vLLM) lives in launch/verl_job.py and slurm/templates/verl_stage.sbatch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from core.config import ConfigError, GRPOStage, RunConfig
+from core.config import ConfigError, GRPOStage, RunConfig, SynthStage, engine_of
 from core.rundir import RunDir
 
 DATA_SOURCE = "hpcr1"  # the parquet rows' data_source: names our reward in verl's metrics
@@ -253,21 +253,35 @@ def _check_batch_split(s: GRPOStage, sid: str, n_gpus: int) -> None:
 
 
 def verl_stages(cfg: RunConfig, only: list[str] | None = None) -> list[str]:
-    return [
-        sid
-        for sid, stage in cfg.stages().items()
-        if getattr(stage, "engine", "native") == "verl" and (not only or sid in only)
-    ]
+    """Stages whose Slurm job brings up Ray for verl: GRPO or synthesis with engine 'verl', and,
+    when eval.engine is 'verl', every stage that exports a model (verl's generation server writes
+    the held-out answers once the ranks are done)."""
+    return [sid for sid, stage in cfg.stages().items() if uses_verl(cfg, stage) and (not only or sid in only)]
+
+
+def uses_verl(cfg: RunConfig, stage) -> bool:
+    if engine_of(stage) == "verl":
+        return True
+    return cfg.eval.engine == "verl" and not isinstance(stage, SynthStage)
 
 
 def refuse_local_verl(cfg: RunConfig, only: list[str] | None = None) -> None:
-    """`hpcr1 run` starts stages with torchrun on this machine; verl's trainer needs a Ray cluster
-    of GPUs and a vLLM/SGLang rollout. Said before anything is written or launched."""
+    """`hpcr1 run` starts stages with torchrun on this machine; verl needs a Ray cluster of GPUs
+    and a vLLM/SGLang engine. Said before anything is written or launched."""
     stages = verl_stages(cfg, only)
-    if stages:
+    if not stages:
+        return
+    sid = stages[0]
+    if engine_of(getattr(cfg, sid)) != "verl":
         raise ConfigError(
-            f"{stages[0]}.engine",
-            "'verl' cannot run here: verl.trainer.main_ppo needs GPUs and "
-            "a vLLM or SGLang rollout. Submit it with `hpcr1 submit CONFIG --cluster NAME`, or "
-            f"set {stages[0]}.engine=native to run it with the in-tree trainer",
+            "eval.engine",
+            f"'verl' cannot run here: {sid}'s held-out answers would come from verl's generation "
+            "server, which needs GPUs and a vLLM or SGLang engine. Submit the run with "
+            "`hpcr1 submit CONFIG --cluster NAME`, or set eval.engine=native",
         )
+    raise ConfigError(
+        f"{sid}.engine",
+        "'verl' cannot run here: verl needs GPUs and "
+        "a vLLM or SGLang engine. Submit it with `hpcr1 submit CONFIG --cluster NAME`, or "
+        f"set {sid}.engine=native to run it with the in-tree engine",
+    )

@@ -1,0 +1,105 @@
+"""Generation on verl's rollout engine, for models one GPU cannot hold: `verl.trainer.main_generation_server`
+starts vLLM (or SGLang) replicas of `rollout_tp` GPUs each on the job's Ray cluster and sends
+each prompt of a parquet file to them as a chat request, `n` times; it writes the answers back
+as a `responses` column (a list of n strings a row). Synthesis (stage engine 'verl') samples with
+it, held-out eval (eval.engine 'verl') decodes greedily with it, and our reward scores both.
+
+Its config is verl's `ppo_trainer` config, composed and checked here as for GRPO. Two settings
+differ from verl's defaults on purpose: `load_format=auto`, since a standalone replica has no
+actor to sync weights from (verl's default 'dummy' would answer with random weights), and the
+engine's seed, which verl does not pass per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.config import ConfigError, VerlRolloutConfig
+from stages.engines.verl_trainer import compose_verl_config, hydra_value
+
+MODULE = "verl.trainer.main_generation_server"
+RESPONSES = "responses"  # the column main_generation_server adds to the prompt rows
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int
+    """Answers per prompt."""
+    temperature: float
+    """0: greedy (main_generation_server then asserts n == 1)."""
+    top_p: float
+    max_new_tokens: int
+
+
+GREEDY = 0.0
+
+
+def generation_overrides(
+    model_dir: Path,
+    rollout: VerlRolloutConfig,
+    sampling: Sampling,
+    prompts: Path,
+    output: Path,
+    seed: int,
+    nnodes: int,
+    gpus_per_node: int,
+) -> list[str]:
+    """The `main_generation_server` command line: `prompts` (verl's RL rows) in, `output` out."""
+    overrides = {
+        "data.train_files": prompts,
+        "data.prompt_key": "prompt",
+        "+data.output_path": output,
+        "data.max_prompt_length": rollout.max_prompt_length,
+        "data.max_response_length": sampling.max_new_tokens,
+        "actor_rollout_ref.model.path": model_dir,
+        "actor_rollout_ref.rollout.name": rollout.rollout,
+        "actor_rollout_ref.rollout.load_format": "auto",
+        "actor_rollout_ref.rollout.seed": seed,
+        "actor_rollout_ref.rollout.n": sampling.n,
+        "actor_rollout_ref.rollout.temperature": sampling.temperature,
+        "actor_rollout_ref.rollout.top_p": sampling.top_p,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": rollout.rollout_tp,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "trainer.nnodes": nnodes,
+        "trainer.n_gpus_per_node": gpus_per_node,
+    }
+    return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+def check_generation(
+    field: str, rollout: VerlRolloutConfig, sampling: Sampling, overrides: list[str], gpus_per_node: int
+) -> None:
+    """What main_generation_server would refuse once its Ray cluster is up, said before submission;
+    `field` is the config section whose `verl` settings these are (e.g. stage3_synth)."""
+    if gpus_per_node < 1:
+        raise ConfigError(
+            "--cluster",
+            f"{field} generates on verl, which needs GPUs: the cluster profile has gpus_per_node 0",
+        )
+    if gpus_per_node % rollout.rollout_tp:
+        raise ConfigError(
+            f"{field}.verl.rollout_tp",
+            f"{rollout.rollout_tp} does not divide the {gpus_per_node} GPUs of a node",
+        )
+    from verl.utils.config import omega_conf_to_dataclass
+
+    try:
+        omega_conf_to_dataclass(compose_verl_config(overrides).actor_rollout_ref.rollout)
+    except Exception as e:  # Hydra, OmegaConf and verl's own checks all mean "bad config"
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"{field}.verl", f"verl rejects the generation config: {message}") from None
+
+
+def read_responses(output: Path, rows: int, n: int) -> list[list[str]]:
+    """main_generation_server's answers, one list of `n` a prompt row, in the rows' order."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(output, columns=[RESPONSES])
+    responses = [list(r) for r in table.column(RESPONSES).to_pylist()]
+    if len(responses) != rows or any(len(r) != n for r in responses):
+        raise RuntimeError(
+            f"{output}: expected {rows} rows of {n} answers, found {len(responses)} rows "
+            f"of {sorted({len(r) for r in responses})} answers"
+        )
+    return responses

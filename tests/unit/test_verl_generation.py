@@ -1,0 +1,208 @@
+"""Synthesis and held-out eval on verl's generation server (engine 'verl', eval.engine 'verl'):
+our settings compose into the installed verl's config with the values main_generation_server reads;
+what verl or the cluster refuses is exit 2 naming our field before anything is queued; its answer
+file, in the format main_generation_server writes, becomes the same dataset, final/ and eval.json
+as the native engines'; the 70B config submits, and the native engines are refused where a GPU
+cannot hold the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.config import ConfigError, load_config
+from core.rundir import RunDir
+from launch.slurm_launch import run_stage_in_allocation
+from launch.verl_job import (
+    check_verl_job,
+    generation_of,
+    generation_paths,
+    run_then_eval_on_verl,
+    run_verl_stage,
+    run_verl_synth,
+    verl_launcher,
+)
+from pipeline.cli import main
+from stages.data.examples import Example, read_examples
+from stages.engines.verl_generation import generation_overrides, read_responses
+from stages.engines.verl_io import verl_rows
+from stages.engines.verl_trainer import DATA_SOURCE, compose_verl_config
+from stages.eval import accuracy_of, tally
+from stages.synth import accepted_answers, write_outputs
+from tests.conftest import REPO
+
+CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
+SHAPE_70B = f"model.path={REPO / 'configs' / 'models' / 'llama-3.3-70b'}"
+
+
+def config_70b(*overrides: str):
+    return load_config(CONFIG_70B, [SHAPE_70B, *overrides], data_files=False)
+
+
+def composed(cfg, sid: str, run: RunDir):
+    field, rollout, sampling = generation_of(cfg, sid)
+    paths = generation_paths(run, sid)
+    overrides = generation_overrides(
+        Path("/models/final"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, 32, 4
+    )
+    return compose_verl_config(overrides)
+
+
+def test_synthesis_settings_reach_verls_rollout_config(tmp_path):
+    cfg = config_70b("stage3_synth.samples_per_prompt=6", "stage3_synth.top_p=0.9")
+    rollout = composed(cfg, "stage3_synth", RunDir(tmp_path)).actor_rollout_ref.rollout
+    s = cfg.stage3_synth
+    assert (rollout.n, rollout.temperature, rollout.top_p) == (6, s.temperature, 0.9)
+    assert rollout.response_length == s.max_new_tokens and rollout.prompt_length == s.verl.max_prompt_length
+    assert rollout.tensor_model_parallel_size == s.verl.rollout_tp
+    assert rollout.gpu_memory_utilization == s.verl.gpu_memory_utilization
+    # a standalone replica has no actor to sync from: verl's default 'dummy' would answer at random
+    assert rollout.load_format == "auto" and rollout.seed == cfg.seed
+
+
+def test_held_out_eval_on_verl_is_greedy_with_the_eval_settings(tmp_path):
+    cfg = config_70b("eval.max_new_tokens=333")
+    config = composed(cfg, "stage1_sft", RunDir(tmp_path))
+    rollout = config.actor_rollout_ref.rollout
+    assert (rollout.n, rollout.temperature, rollout.response_length) == (1, 0.0, 333)
+    assert rollout.tensor_model_parallel_size == cfg.eval.verl.rollout_tp
+    assert config.data.output_path.endswith("generation_answers.parquet")
+
+
+def test_each_stage_of_the_70b_config_runs_where_its_engine_is():
+    cfg = config_70b()
+    launchers = {sid: verl_launcher(cfg, sid) for sid in cfg.stages()}
+    assert launchers == {
+        "stage1_sft": run_then_eval_on_verl,
+        "stage2_grpo": run_verl_stage,
+        "stage3_synth": run_verl_synth,
+        "stage3_sft": run_then_eval_on_verl,
+        "stage4_grpo": run_verl_stage,
+    }
+    native = config_70b("eval.engine=native", "stage3_synth.engine=native")
+    assert verl_launcher(native, "stage1_sft") is run_stage_in_allocation
+    assert verl_launcher(native, "stage3_synth") is run_stage_in_allocation
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("stage3_synth.verl.rollout_tp=3", "stage3_synth.verl.rollout_tp"),
+        ("eval.verl.rollout_tp=8", "eval.verl.rollout_tp"),
+    ],
+)
+def test_a_rollout_that_does_not_fit_a_node_is_refused_naming_the_field(tmp_path, override, field):
+    cfg = config_70b(override)
+    sid = "stage3_synth" if override.startswith("stage3_synth") else "stage1_sft"
+    with pytest.raises(ConfigError) as e:
+        check_verl_job(cfg, RunDir(tmp_path), sid, 32, 4)
+    assert e.value.field == field
+
+
+def test_a_cluster_without_gpus_is_refused_for_verl_generation(tmp_path):
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        check_verl_job(config_70b(), RunDir(tmp_path), "stage3_synth", 2, 0)
+
+
+def submit_70b(tmp_path, *overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 plus 1?", "answer": "1 plus 1 is 2.\n#### 2"}) + "\n")
+    files = [f"data.{name}_file={data}" for name in ("sft", "prompts", "eval")]
+    argv = ["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run"]
+    return main([*argv, "--run-dir", str(tmp_path / "run"), SHAPE_70B, *files, *overrides])
+
+
+def test_the_70b_config_submits_with_ray_in_every_job_that_runs_verl(tmp_path, capsys):
+    assert submit_70b(tmp_path) == 0, capsys.readouterr().err
+    for sid in ("stage1_sft", "stage3_synth", "stage3_sft"):
+        script = (tmp_path / "run" / sid / "logs" / f"{sid}.sbatch").read_text()
+        assert "start --head" in script and "export HPCR1_LAUNCHER=srun" in script
+
+
+@pytest.mark.parametrize(
+    "override, field, holds",
+    [
+        ("eval.engine=native", "eval.engine", "131.4 GiB"),  # the bf16 SFT model, whole
+        ("stage3_synth.engine=native", "stage3_synth", "262.8 GiB"),  # one fp32 copy a rank
+    ],
+)
+def test_native_generation_of_70b_is_refused_before_anything_is_written(
+    tmp_path, capsys, override, field, holds
+):
+    rc = submit_70b(tmp_path, override)
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert f"{field}: the native engine holds {holds} a GPU" in err and "=verl" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_hpcr1_run_refuses_eval_on_verl_naming_the_field(tmp_path, capsys):
+    rc = main(
+        [
+            "run",
+            str(REPO / "configs" / "tiny-cpu.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "eval.engine=verl",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "eval.engine" in err and "hpcr1 submit" in err
+    assert not (tmp_path / "run").exists()
+
+
+def write_like_main_generation_server(rows: list[dict], responses: list[list[str]], path: Path) -> None:
+    """What verl.trainer.main_generation_server does with its answers: a `responses` column of
+    lists added to the prompt rows, written by pandas."""
+    import pandas as pd
+
+    dataset = pd.DataFrame(rows)
+    dataset["responses"] = responses
+    dataset.to_parquet(path)
+
+
+EXAMPLES = [Example(f"p{i}", f"What is {i} plus {i}?", str(2 * i), "") for i in range(3)]
+# well-formed and correct; well-formed and wrong; correct but not in the R1 format
+RIGHT, WRONG, BARE = (
+    "<think>sum</think><answer>{}</answer>",
+    "<think>x</think><answer>999</answer>",
+    "<answer>{}</answer>",
+)
+
+
+def test_verls_answer_file_reads_back_in_prompt_order_and_its_shape_is_checked(tmp_path):
+    answers = [[RIGHT.format(2 * i), WRONG] for i in range(3)]
+    out = tmp_path / "answers.parquet"
+    write_like_main_generation_server(verl_rows(EXAMPLES, "generation", DATA_SOURCE), answers, out)
+    assert read_responses(out, 3, 2) == answers
+    with pytest.raises(RuntimeError, match="expected 3 rows of 3 answers"):
+        read_responses(out, 3, 3)
+
+
+def test_verls_answers_make_the_same_dataset_as_the_native_filter(tmp_path):
+    """The 3 prompts answered twice each: correct and well-formed answers are kept (distinct, at most
+    max_per_prompt); the dataset, final/ and eval.json are those of the native engine's writer."""
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["stage3_synth.max_per_prompt=1"], data_files=False)
+    run = RunDir(tmp_path / "run")
+    model_dir = run.model_dir("stage2_grpo")
+    model_dir.mkdir(parents=True)
+    (model_dir / "model.safetensors").write_bytes(b"weights")
+    answers = [[RIGHT.format(0), RIGHT.format(0)], [WRONG, BARE.format(2)], [RIGHT.format(4), WRONG]]
+    out = tmp_path / "answers.parquet"
+    write_like_main_generation_server(verl_rows(EXAMPLES, "generation", DATA_SOURCE), answers, out)
+    accepted = accepted_answers(EXAMPLES, read_responses(out, 3, 2))
+    assert [(c.prompt_index, c.sample_index) for c in accepted] == [(0, 0), (0, 1), (2, 0)]
+    summary = write_outputs(cfg, run, "stage3_synth", EXAMPLES, accepted, 6, model_dir, {"replicas": 2})
+    kept = read_examples(run.synthetic_data("stage3_synth"))
+    assert [ex.id for ex in kept] == ["p0-s0", "p2-s0"]  # the duplicate of p0 is dropped by the cap
+    assert (summary["accepted"], summary["kept"], summary["replicas"]) == (3, 2, 2)
+    assert json.loads(run.eval_result("stage3_synth").read_text()) == {"accuracy": 0.5, "n": 6, "kept": 2}
+    assert (run.final("stage3_synth") / "provenance.json").is_file()
+
+
+def test_held_out_answers_from_verl_are_scored_as_the_native_eval_scores_them():
+    responses = [RIGHT.format(0), WRONG, BARE.format(4)]
+    assert tally(EXAMPLES, responses) == [2, 2, 3]  # correct, well-formed, scored
+    assert accuracy_of(tally(EXAMPLES, responses)) == {"accuracy": 2 / 3, "format_rate": 2 / 3, "n": 3}
