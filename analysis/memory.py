@@ -13,10 +13,11 @@ What each stage is assumed to run is ASSUMPTIONS, printed with every plan.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from analysis.model_shape import LlamaShape
-from core.config import GRPOStage, SFTStage, SynthStage
+from analysis.native_fit import grpo_residency, synth_residency
+from core.config import EvalConfig, GRPOStage, SFTStage, SynthStage, VerlRolloutConfig
 
 GB = 1e9
 BF16 = 2
@@ -45,19 +46,45 @@ SFT_PRECISION = {"fp32": FP32, "bf16": BF16_MIXED}
 ASSUMPTIONS = (
     "SFT: megatron-core with TP within a node (no PP: not implemented) and DeepSpeed ZeRO 0-2 over "
     "dp = N/tp, in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter), "
-    "megatron's local (unfused) attention.",
-    "GRPO: actor, reference and rollout colocated on the same N GPUs, all resident at once. Actor: FSDP "
-    "over N (ZeRO-3), fp32 parameters, gradients and Adam states sharded, bf16 compute. Reference: "
-    "frozen bf16, sharded over N. Rollout: its own bf16 copy of the policy, TP within a node (vLLM's "
-    "layout), and the KV cache of the whole rollout batch. Prompts are --prompt-tokens long.",
-    "Generation (synth): bf16 weights, TP within a node, the KV cache of one batch "
-    "(batch_size x samples_per_prompt sequences) per TP group.",
-    "Host memory per node: each rank reads only its own shard of the checkpoint. SFT's and GRPO's "
-    "loaders do (memory-mapped slices of the rank's TP / FSDP shard; SFT's export gathers one layer "
-    "at a time on rank 0); today's synth loader still reads the whole model in fp32 on every rank "
-    "(4·P bytes each), so its host figure holds only once it streams too.",
-    "CPU offload moves the optimizer states (with bf16, the fp32 master weights) to host memory; "
-    "recompute is full activation recomputation. Neither is a config option yet: a plan that needs "
+    "megatron's local (unfused) attention. Its final eval is a phase of its own after training: "
+    "eval.engine native loads the whole model in the stage's dtype on every rank (stages/eval.py) with "
+    "the KV cache of eval.batch_size sequences; eval.engine verl is a vLLM server as synthesis's.",
+    "GRPO on verl 0.9.1 (backend fsdp, hybrid engine: actor, reference and vLLM rollout colocated on "
+    "each GPU), as its source does it: the actor is FSDP over N in fp32 (fsdp_config.model_dtype fp32, "
+    "trainer/config/engine/fsdp.yaml), 4+4+8 bytes a parameter sharded; gradients exist only inside "
+    "an update (zero_grad on leaving train mode, workers/engine/fsdp/transformer_impl.py); param_offload "
+    "keeps parameters (and gradients) and optimizer_offload Adam's states in host memory outside their "
+    "use (workers/engine/base.py BaseEngineCtx). The reference is forward-only and always CPU-offloaded "
+    "by verl whatever param_offload says (transformer_impl.py: CPUOffload for forward_only; "
+    "trainer/config/ref/dp_ref.yaml), fp32 shards in host memory. Gradient checkpointing is verl's "
+    "default (model.enable_gradient_checkpointing true; our overrides leave it), so an update keeps "
+    "each layer's input for micro_batch_size_per_gpu sequences of max_prompt_length + max_new_tokens "
+    "tokens, flash attention (no scores). The vLLM rollout takes gpu_memory_utilization x GPU memory "
+    "while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
+    "enable_sleep_mode true, workers/rollout/vllm_rollout/vllm_async_server.py) while the actor trains; "
+    "its weights come back first for the weight sync (workers/engine_workers.py update_weights), when "
+    "the actor's parameters are on the GPU and one tensor (the largest, the embedding) is gathered in "
+    "bf16. The peak is the largest of these phases. Rank 0 loads the whole model in fp32 on the CPU "
+    "before FSDP shards it (utils/fsdp_utils.py get_init_weight_context_manager), so the first node "
+    "needs 4·P bytes of host memory at start.",
+    "vLLM (verl's rollout and generation server) refuses to start unless gmu x GPU memory, less its "
+    "weights, holds the KV cache of one max_model_len sequence (vllm/v1/core/kv_cache_utils.py "
+    "check_enough_kv_cache_memory). verl 0.9.1 sets max_model_len to the model's "
+    "max_position_embeddings when rollout.max_model_len is unset, as our overrides leave it, so that "
+    "is the sequence required. vLLM's own activations and CUDA graphs also come out of its budget; "
+    "they are not counted, only the weights and that minimum KV cache.",
+    "Native GRPO (engine native): what analysis/native_fit.py says it holds a GPU (fp32 actor, "
+    "reference and rollout), the gathered FSDP2 unit, the fp32 activations of one micro-batch and the "
+    "rollout's fp32 KV cache of the rank's prompts_per_step·G/N sequences. Prompts are --prompt-tokens "
+    "long.",
+    "Native synthesis (engine native): one whole fp32 copy a rank (native_fit) and the fp32 KV cache "
+    "of one batch (batch_size x samples_per_prompt sequences). Synthesis on verl: vLLM replicas of "
+    "rollout_tp GPUs, each GPU taking gmu x GPU memory.",
+    "Host memory per node: SFT's and native GRPO's loaders read each rank's own shard or copy of the "
+    "checkpoint (memory-mapped); today's native synth loader reads the whole model on every rank; vLLM "
+    "reads its TP shard. Offloaded states are pinned host memory of every rank of the node.",
+    "SFT's CPU offload moves the optimizer states (with bf16, the fp32 master weights) to host memory; "
+    "recompute is full activation recomputation. Neither is an SFT config option yet: a plan that needs "
     "them says so in its layout (+offload, +recompute).",
 )
 
@@ -80,10 +107,12 @@ class Layout:
     zero: int
     """ZeRO stage over the data-parallel group (3 for FSDP)."""
     offload: bool = False
-    """Optimizer states live in host memory (DeepSpeed offload_optimizer, FSDP CPU offload)."""
+    """Optimizer states live in host memory (DeepSpeed offload_optimizer, verl optimizer_offload)."""
     recompute: bool = False
     """Full activation recomputation: only each layer's input is kept for backward (megatron's
     recompute_granularity=full, Hugging Face gradient checkpointing)."""
+    param_offload: bool = False
+    """Parameters (and gradients) live in host memory outside their use (verl param_offload)."""
 
     @property
     def dp(self) -> int:
@@ -96,12 +125,41 @@ class Footprint:
     """Per GPU."""
     host: list[Term]
     """Per node."""
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Phase -> the GPU terms resident during it, for engines that free memory between phases;
+    empty: every term at once."""
+    refusals: tuple[str, ...] = ()
+    """Why the engine would refuse to start whatever the totals (the layout or vLLM's own checks)."""
+
+    def phase_bytes(self) -> dict[str, float]:
+        by_name = {t.name: t.bytes for t in self.gpu}
+        phases = self.phases or {"all": tuple(by_name)}
+        return {phase: sum(by_name[n] for n in names) for phase, names in phases.items()}
+
+    def peak_phase(self) -> str:
+        bytes_ = self.phase_bytes()
+        return max(bytes_, key=bytes_.get)
 
     def gpu_bytes(self) -> float:
-        return sum(t.bytes for t in self.gpu)
+        return max(self.phase_bytes().values())
 
     def host_bytes(self) -> float:
         return sum(t.bytes for t in self.host)
+
+
+@dataclass(frozen=True)
+class Site:
+    """What a footprint needs besides the model, the stage and the layout."""
+
+    gpu_bytes: float
+    """M: memory of one GPU (vLLM's gpu_memory_utilization is a share of it)."""
+    gpus_per_node: int
+    runtime_per_rank: float
+    """Host bytes of each rank's CUDA context, Python and libraries."""
+    prompt_tokens: int = 512
+    """Prompt length of the native engines (verl's is its max_prompt_length)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The held-out eval that follows an SFT stage."""
 
 
 def _shard(zero: int, at_least: int, dp: int) -> tuple[str, int]:
@@ -158,111 +216,174 @@ def node_ranks(layout: Layout, gpus_per_node: int) -> int:
 
 
 def host_terms(
-    m: LlamaShape,
-    loaded_fraction: str,
-    loaded_params: float,
-    offloaded: float,
-    ranks: int,
-    runtime_per_rank: float,
+    m: LlamaShape, loaded_fraction: str, loaded_params: float, ranks: int, site: Site
 ) -> list[Term]:
-    """Per node: each rank's runtime (CUDA context, Python, libraries), the weights each rank
-    reads from the checkpoint files, and the optimizer states offloaded to host memory."""
+    """Per node: each rank's runtime (CUDA context, Python, libraries) and the weights each rank
+    reads from the checkpoint files."""
     return [
-        Term("runtime", f"ranks·{runtime_per_rank / GB:g} GB", ranks * runtime_per_rank),
+        Term("runtime", f"ranks·{site.runtime_per_rank / GB:g} GB", ranks * site.runtime_per_rank),
         Term(
             "loading",
             f"ranks·{loaded_fraction}·{m.file_bytes} (file dtype)",
             ranks * loaded_params * m.file_bytes,
         ),
-        Term("offloaded", "ranks·optimizer per GPU" if offloaded else "0", ranks * offloaded),
     ]
 
 
-def sft_footprint(
-    m: LlamaShape, s: SFTStage, layout: Layout, gpus_per_node: int, runtime_per_rank: float
-) -> Footprint:
+def offloaded(formula: str, per_rank: float, ranks: int) -> Term:
+    return Term("offloaded", f"ranks·({formula})" if per_rank else "0", ranks * per_rank)
+
+
+def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Footprint:
     P, prec, t = m.params(), SFT_PRECISION[s.dtype], layout.tp
-    gpu = [
+    train = [
         *training_states(P, prec, layout),
         activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
     ]
-    offloaded = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
-    host = host_terms(m, "P/tp", P / t, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
-    return Footprint(gpu, host)
+    evaluation, refusals = final_eval(m, site, prec.weight, layout.gpus)
+    ranks = node_ranks(layout, site.gpus_per_node)
+    moved = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
+    host = [*host_terms(m, "P/tp", P / t, ranks, site), offloaded("optimizer per GPU", moved, ranks)]
+    phases = {"training": tuple(x.name for x in train), "final_eval": tuple(x.name for x in evaluation)}
+    return Footprint(train + evaluation, host, phases, refusals)
 
 
-def grpo_footprint(
-    m: LlamaShape,
-    g: GRPOStage,
-    layout: Layout,
-    prompt_tokens: int,
-    gpus_per_node: int,
-    runtime_per_rank: float,
-) -> Footprint:
-    """`layout.tp` is the rollout's tensor-parallel size; the actor and reference shard over all N
-    (data_parallel fsdp2) or are whole on each (ddp)."""
-    P, N, tr = m.params(), layout.gpus, layout.tp
-    s = prompt_tokens + g.max_new_tokens
+def final_eval(m: LlamaShape, site: Site, weight_bytes: int, gpus: int) -> tuple[list[Term], tuple[str, ...]]:
+    """The held-out eval after training: native loads the whole model in the stage's dtype on every
+    rank and decodes eval.batch_size sequences; verl starts a vLLM server on the same GPUs."""
+    e, P = site.eval, m.params()
+    if e.engine == "verl":
+        budget, weights, min_kv, refusals = rollout_terms(m, e.verl, site.gpu_bytes, gpus, e.max_new_tokens)
+        return [replace(budget, name="eval_rollout_budget")], refusals
+    kv = kv_cache(m, e.batch_size, "eval.batch_size", site.prompt_tokens + e.max_new_tokens, weight_bytes)
+    whole = Term("eval_weights", f"P·{weight_bytes} (whole model in the stage's dtype)", P * weight_bytes)
+    return [whole, replace(kv, name="eval_kv_cache")], ()
+
+
+def rollout_terms(
+    m: LlamaShape, v: VerlRolloutConfig, gpu_bytes: float, gpus: int, new_tokens: int
+) -> tuple[Term, Term, Term, tuple[str, ...]]:
+    """One vLLM instance's share of a GPU (gmu·M), the weights and the least KV cache vLLM starts
+    with inside it, and why vLLM would refuse the layout."""
+    P, t, gmu = m.params(), v.rollout_tp, v.gpu_memory_utilization
+    max_len = m.max_positions or v.max_prompt_length + new_tokens
+    budget = Term("rollout_budget", f"gmu·M  [gmu={gmu:g}]", gmu * gpu_bytes)
+    weights = Term("rollout_weights", "P·2/tp", P * BF16 / t)
+    min_kv = replace(
+        kv_cache(m, 1 / t, "1/tp (one max_model_len sequence)", max_len, BF16), name="rollout_min_kv"
+    )
+    refusals = []
+    if gpus % t:
+        refusals.append(f"rollout_tp {t} does not divide {gpus} GPUs")
+    if weights.bytes >= budget.bytes:
+        refusals.append(
+            f"vLLM's weights ({weights.bytes / GB:.1f} GB) exceed gmu·M ({budget.bytes / GB:.1f} GB)"
+        )
+    elif weights.bytes + min_kv.bytes > budget.bytes:
+        refusals.append(
+            f"vLLM: gmu·M less its weights leaves {(budget.bytes - weights.bytes) / GB:.1f} GB, less "
+            f"than the KV cache of one {max_len}-token max_model_len sequence ({min_kv.bytes / GB:.1f} GB)"
+        )
+    return budget, weights, min_kv, tuple(refusals)
+
+
+def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
+    return (verl_grpo_footprint if g.engine == "verl" else native_grpo_footprint)(m, g, layout, site)
+
+
+def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
+    """What the native engine holds (native_fit), its gathered FSDP2 unit, one micro-batch's fp32
+    activations and the rollout's fp32 KV cache of the rank's sequences."""
+    P, N = m.params(), layout.gpus
+    held = grpo_residency("", g, P, N)
+    s = site.prompt_tokens + g.max_new_tokens
     rollout_seqs = g.prompts_per_step * g.group_size / N
-    update_seqs = math.ceil(rollout_seqs / g.mini_batches)
-    replicated = g.engine == "native" and g.data_parallel == "ddp"  # verl's trainer always shards
-    if replicated:  # whole on every rank: nothing sharded, nothing gathered
-        actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=0))
-        gathered = Term("actor_gathered", "0 (data_parallel: ddp)", 0.0)
-        reference = Term("reference_weights", "P·2 (data_parallel: ddp)", P * BF16)
-        offloaded = 0.0
-    else:
-        actor = training_states(P, FSDP_MIXED, Layout(N, 1, zero=3, offload=layout.offload))
-        gathered, reference = fsdp_gathered_weights(m, g, N)
-        offloaded = P * FSDP_MIXED.optimizer / N if layout.offload else 0.0
+    micro = min(g.micro_batch_size, math.ceil(rollout_seqs / g.mini_batches))
+    gathered = (
+        Term("actor_gathered", "0 (data_parallel: ddp)", 0.0)
+        if g.data_parallel == "ddp"
+        else fsdp_gathered_weights(m, g, N)
+    )
     gpu = [
-        *(Term(f"actor_{t.name}", t.formula.replace("/dp", "/N"), t.bytes) for t in actor),
+        Term("resident", held.formula, held.bytes),
         gathered,
-        reference,
-        Term("rollout_weights", "P·2/tp", P * BF16 / tr),
-        activations(m, update_seqs, s, BF16, 1, False, layout.recompute),
-        kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, BF16),
+        activations(m, micro, s, FP32.compute, 1, False, False),
+        kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, FP32.weight),
     ]
-    # The largest thing a rank loads: the whole actor under ddp, else its rollout shard (the actor's is P/N).
-    fraction, loaded = ("P", P) if replicated else ("P/tp", P / tr)
-    host = host_terms(m, fraction, loaded, offloaded, node_ranks(layout, gpus_per_node), runtime_per_rank)
-    return Footprint(gpu, host)
+    return Footprint(gpu, host_terms(m, "P", P, node_ranks(layout, site.gpus_per_node), site))
 
 
-def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> tuple[Term, Term]:
-    """Under FSDP2: the actor's gathered weights at their most, and the reference's weights."""
+def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
+    """verl's hybrid engine, FSDP backend: the phases a step goes through (ASSUMPTIONS)."""
+    P, N, v = m.params(), layout.gpus, g.verl
+    budget, rollout_weights, min_kv, refusals = rollout_terms(m, v, site.gpu_bytes, N, g.max_new_tokens)
+    gathered = fsdp_gathered_weights(m, g, N)
+    gpu = [
+        Term("actor_weights", "P·4/N", 4 * P / N),
+        Term("actor_gradients", "P·4/N (in an update only)", 4 * P / N),
+        Term("actor_optimizer", "P·8/N", 8 * P / N),
+        gathered,
+        replace(gathered, name="reference_gathered"),
+        activations(
+            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, BF16, 1, False, True
+        ),
+        budget,
+        rollout_weights,
+        min_kv,
+        Term("sync_tensor", "V·h·2 (the largest tensor, gathered in bf16)", m.vocab * m.hidden * BF16),
+    ]
+    kept = ("actor_weights",) * (not layout.param_offload) + ("actor_optimizer",) * (not layout.offload)
+    optimizer_kept = ("actor_optimizer",) * (not layout.offload)
+    phases = {
+        "generation": ("rollout_budget", *kept),
+        "weight_sync": ("rollout_weights", "sync_tensor", "actor_weights", *optimizer_kept),
+        "reference": ("reference_gathered", *kept),
+        "training": ("actor_weights", "actor_gradients", "actor_optimizer", "actor_gathered", "activations"),
+    }
+    return Footprint(gpu, verl_host(m, layout, site), phases, refusals)
+
+
+def verl_host(m: LlamaShape, layout: Layout, site: Site) -> list[Term]:
+    """The first node's: rank 0's whole fp32 model at start, the reference's fp32 shards, offloads."""
+    P, N, ranks = m.params(), layout.gpus, node_ranks(layout, site.gpus_per_node)
+    moved = ("P·4/N",) * layout.param_offload + ("P·8/N",) * layout.offload
+    per_rank = (4 * layout.param_offload + 8 * layout.offload) * P / N
+    return [
+        Term("runtime", f"ranks·{site.runtime_per_rank / GB:g} GB", ranks * site.runtime_per_rank),
+        Term("loading", "P·4 (rank 0 builds the whole model in fp32)", 4 * P),
+        Term("reference", "ranks·P·4/N (fp32, CPU-offloaded)", ranks * 4 * P / N),
+        offloaded(" + ".join(moved), per_rank, ranks),
+    ]
+
+
+def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> Term:
+    """The actor's weights gathered by FSDP at their most (bf16 compute copies)."""
     P = m.params()
     if g.reshard_after_forward and g.fsdp_units == "layer":
         # FSDP gathers one unit at a time, but the root unit (embeddings, output layer) stays
         # gathered through forward and backward.
-        gathered = Term(
+        return Term(
             "actor_gathered", "(embeddings + 1 layer)·2", (m.embedding_params() + m.layer_params()) * BF16
         )
-    elif g.reshard_after_forward:  # one unit: the whole model gathered for each forward and backward
-        gathered = Term("actor_gathered", "P·2 (fsdp_units: model)", P * BF16)
-    else:  # every layer stays gathered from its forward to its backward
-        gathered = Term("actor_gathered", "P·2 (reshard_after_forward: false)", P * BF16)
-    if g.reshard_after_forward:  # gathered only while it forwards, when the actor's are not
-        reference = Term("reference_weights", "P·2/N", P * BF16 / N)
-    else:  # gathered for good
-        reference = Term("reference_weights", "P·2 (reshard_after_forward: false)", P * BF16)
-    return gathered, reference
+    if g.reshard_after_forward:  # one unit: the whole model gathered for each forward and backward
+        return Term("actor_gathered", "P·2 (fsdp_units: model)", P * BF16)
+    # every layer stays gathered from its forward to its backward
+    return Term("actor_gathered", "P·2 (reshard_after_forward: false)", P * BF16)
 
 
-def synth_footprint(
-    m: LlamaShape,
-    st: SynthStage,
-    layout: Layout,
-    prompt_tokens: int,
-    gpus_per_node: int,
-    runtime_per_rank: float,
-) -> Footprint:
-    """A tensor-parallel group of `layout.tp` GPUs generates one batch at a time."""
-    P, t = m.params(), layout.tp
-    seqs = st.batch_size * st.samples_per_prompt / t
+def synth_footprint(m: LlamaShape, st: SynthStage, layout: Layout, site: Site) -> Footprint:
+    P, ranks = m.params(), node_ranks(layout, site.gpus_per_node)
+    if st.engine == "verl":  # replicas of rollout_tp GPUs, each GPU giving vLLM gmu·M
+        budget, weights, min_kv, refusals = rollout_terms(
+            m, st.verl, site.gpu_bytes, layout.gpus, st.max_new_tokens
+        )
+        host = host_terms(m, "P/tp", P / st.verl.rollout_tp, ranks, site)
+        return Footprint([budget, weights, min_kv], host, {"generation": ("rollout_budget",)}, refusals)
+    held = synth_residency("", P)
+    seqs = st.batch_size * st.samples_per_prompt
+    s = site.prompt_tokens + st.max_new_tokens
     gpu = [
-        Term("weights", "P·2/tp", P * BF16 / t),
-        kv_cache(m, seqs, "batch_size·samples_per_prompt/tp", prompt_tokens + st.max_new_tokens, BF16),
+        Term("weights", held.formula, held.bytes),
+        kv_cache(m, seqs, "batch_size·samples_per_prompt", s, FP32.weight),
     ]
-    host = host_terms(m, "P/tp", P / t, 0.0, node_ranks(layout, gpus_per_node), runtime_per_rank)
-    return Footprint(gpu, host)
+    return Footprint(gpu, host_terms(m, "P", P, ranks, site))

@@ -43,6 +43,8 @@ class LlamaShape:
     """Llama 3's RoPE scaling (factor, low/high frequency factors, original context), or None."""
     file_bytes: int
     """Bytes per parameter in the checkpoint files."""
+    max_positions: int | None = None
+    """config.json's max_position_embeddings: the max_model_len vLLM takes when none is given."""
 
     @property
     def kv_width(self) -> int:
@@ -94,6 +96,7 @@ def shape_from_hf_config(path: Path) -> LlamaShape:
         if rope.get("rope_type") == "llama3"
         else None,
         file_bytes=DTYPE_BYTES.get(hf.get("torch_dtype") or hf.get("dtype"), 4),
+        max_positions=hf.get("max_position_embeddings"),
     )
 
 

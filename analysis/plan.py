@@ -1,8 +1,10 @@
 """The memory/feasibility planner behind `hpcr1 plan`: for each stage of a config and each GPU
-count, the parallel layout it would choose on the cluster's nodes, memory per GPU and host memory
-per node (analysis/memory.py's formulas), and the verdict.
+count, its layout on the cluster's nodes, memory per GPU and host memory per node
+(analysis/memory.py's formulas), and the verdict.
 
-Choosing: the smallest tensor-parallel size that fits wins (TP traffic is the costliest and stays
+A GRPO or synthesis stage is planned as its engine is configured (verl's rollout_tp, offload flags
+and micro-batch; the native engines' one layout), at every GPU count. SFT's layout is searched:
+the smallest tensor-parallel size that fits wins (TP traffic is the costliest and stays
 within a node), then no activation recomputation (it costs a third more compute), then the lowest
 ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus`
 is the smallest count planned at which it fits without offload.
@@ -13,10 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from analysis.memory import Footprint, Layout, grpo_footprint, sft_footprint, synth_footprint
+from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footprint, synth_footprint
 from analysis.model_shape import LlamaShape
 from core.cluster import ClusterProfile
-from core.config import ConfigError, GRPOStage, RunConfig, SFTStage
+from core.config import ConfigError, GRPOStage, RunConfig, SFTStage, SynthStage
 
 GIB = 1 << 30
 # Of a GPU's memory, the caching allocator's fragmentation, the CUDA context and NCCL's buffers
@@ -70,6 +72,8 @@ class StagePlan:
     stage_id: str
     kind: str
     """sft, grpo or generation."""
+    engine: str
+    """The engine and its configured settings, in words."""
     options: list[Option]
     """One per planned GPU count, ascending."""
     configured: Option
@@ -81,7 +85,8 @@ class StagePlan:
 
 def fits(fp: Footprint, machine: Machine) -> bool:
     return (
-        fp.gpu_bytes() <= GPU_USABLE * machine.gpu_bytes
+        not fp.refusals
+        and fp.gpu_bytes() <= GPU_USABLE * machine.gpu_bytes
         and fp.host_bytes() <= HOST_USABLE * machine.host_bytes
     )
 
@@ -92,15 +97,42 @@ def tp_sizes(gpus: int, machine: Machine, split: tuple[int, ...]) -> list[int]:
     return [t for t in sizes if gpus % t == 0 and all(d % t == 0 for d in split)]
 
 
-def candidates(kind: str, shape: LlamaShape, gpus: int, machine: Machine) -> list[Layout]:
-    """Layouts the engines can build, most preferred first."""
-    if kind == "sft":  # megatron splits heads, KV heads, the vocabulary and the FFN; ZeRO-3 is refused
+def candidates(stage, shape: LlamaShape, gpus: int, machine: Machine) -> list[Layout]:
+    """Layouts to try, most preferred first: SFT's that megatron can build, else the configured one."""
+    if isinstance(
+        stage, SFTStage
+    ):  # megatron splits heads, KV heads, the vocabulary and the FFN; ZeRO-3 is refused
         tps = tp_sizes(gpus, machine, (shape.heads, shape.kv_heads, shape.vocab, shape.ffn))
         return [Layout(gpus, t, zero, recompute=r) for t in tps for r in (False, True) for zero in (0, 1, 2)]
-    tps = tp_sizes(gpus, machine, (shape.heads, shape.kv_heads))
-    if kind == "grpo":  # tp is the rollout's; the actor is sharded over all N
-        return [Layout(gpus, t, zero=3, recompute=r) for t in tps for r in (False, True)]
-    return [Layout(gpus, t, zero=0) for t in tps]
+    return [engine_layout(stage, gpus)]
+
+
+def engine_layout(stage, gpus: int) -> Layout:
+    """The layout a GRPO or synthesis stage's engine is configured with, on `gpus` GPUs."""
+    v = stage.verl
+    if stage.engine == "native":  # one whole model a rank (synth, ddp) or FSDP2 over all
+        zero = 3 if isinstance(stage, GRPOStage) and stage.data_parallel == "fsdp2" else 0
+        return Layout(gpus, 1, zero)
+    if isinstance(stage, SynthStage):
+        return Layout(gpus, v.rollout_tp, 0)
+    # verl's actor: FSDP over all, gradient checkpointing on (its default)
+    return Layout(gpus, v.rollout_tp, 3, v.optimizer_offload, True, v.param_offload)
+
+
+def engine_text(stage) -> str:
+    if isinstance(stage, SFTStage):
+        return f"megatron+deepspeed {stage.dtype}"
+    if stage.engine == "native":
+        return "native" + (f" {stage.data_parallel}" if isinstance(stage, GRPOStage) else "")
+    v = stage.verl
+    text = f"verl {v.rollout} tp{v.rollout_tp} gmu{v.gpu_memory_utilization:g}"
+    if isinstance(stage, SynthStage):
+        return text
+    offload = [name for name, on in (("param", v.param_offload), ("optimizer", v.optimizer_offload)) if on]
+    return (
+        f"verl {v.backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
+        f"offload: {'+'.join(offload) or 'none'}"
+    )
 
 
 def choose(layouts: list[Layout], footprint, machine: Machine, can_offload: bool) -> Option:
@@ -116,13 +148,16 @@ def choose(layouts: list[Layout], footprint, machine: Machine, can_offload: bool
     return replace(smallest, verdict=NO_FIT)
 
 
-def footprint_fn(stage, shape: LlamaShape, machine: Machine, prompt_tokens: int):
+def footprint_fn(stage, shape: LlamaShape, site: Site):
     """layout -> Footprint for this stage."""
-    common = dict(gpus_per_node=machine.gpus_per_node, runtime_per_rank=RUNTIME_PER_RANK)
-    if isinstance(stage, SFTStage):
-        return partial(sft_footprint, shape, stage, **common)
-    builder = grpo_footprint if isinstance(stage, GRPOStage) else synth_footprint
-    return lambda layout: builder(shape, stage, layout, prompt_tokens, **common)
+    builder = (
+        sft_footprint
+        if isinstance(stage, SFTStage)
+        else grpo_footprint
+        if isinstance(stage, GRPOStage)
+        else synth_footprint
+    )
+    return partial(builder, shape, stage, site=site)
 
 
 def kind_of(stage) -> str:
@@ -138,20 +173,19 @@ def plan_stage(
     gpus: list[int],
     prompt_tokens: int,
 ) -> StagePlan:
-    kind, footprint = kind_of(stage), footprint_fn(stage, shape, machine, prompt_tokens)
+    site = Site(machine.gpu_bytes, machine.gpus_per_node, RUNTIME_PER_RANK, prompt_tokens, cfg.eval)
+    kind, footprint, sft = kind_of(stage), footprint_fn(stage, shape, site), isinstance(stage, SFTStage)
 
     def at(n: int) -> Option:
-        return choose(
-            candidates(kind, shape, n, machine), footprint, machine, can_offload=kind != "generation"
-        )
+        return choose(candidates(stage, shape, n, machine), footprint, machine, can_offload=sft)
 
     # SFT's own layout is judged as configured (no offload, no recomputation: the config cannot ask for them).
     configured = (
         choose([Layout(cfg.nproc, stage.parallel.tp, stage.parallel.zero_stage)], footprint, machine, False)
-        if kind == "sft"
+        if sft
         else at(cfg.nproc)
     )
-    return StagePlan(stage_id, kind, [at(n) for n in gpus], configured)
+    return StagePlan(stage_id, kind, engine_text(stage), [at(n) for n in gpus], configured)
 
 
 def plan(

@@ -11,7 +11,8 @@ from analysis.tables import Table
 
 
 def layout_text(kind: str, layout: Layout) -> str:
-    extras = " +offload" * layout.offload + " +recompute" * layout.recompute
+    extras = " +param_offload" * layout.param_offload + " +offload" * layout.offload
+    extras += " +recompute" * layout.recompute
     if kind == "sft":
         return f"tp{layout.tp} dp{layout.dp} zero{layout.zero}{extras}"
     if kind == "grpo":
@@ -43,9 +44,15 @@ def stage_table(p: StagePlan, machine: Machine) -> Table:
 
 def formulas(option: Option) -> list[str]:
     """The formulas of one row, with its values."""
-    gpu = [f"{t.name} = {t.formula} = {gb(t.bytes)} GB" for t in option.footprint.gpu]
-    host = [f"host {t.name} = {t.formula} = {gb(t.bytes)} GB" for t in option.footprint.host]
-    return gpu + host
+    fp = option.footprint
+    gpu = [f"{t.name} = {t.formula} = {gb(t.bytes)} GB" for t in fp.gpu]
+    phases = [
+        f"phase {phase} = {' + '.join(fp.phases[phase])} = {gb(total)} GB"
+        for phase, total in fp.phase_bytes().items()
+        if fp.phases
+    ]
+    host = [f"host {t.name} = {t.formula} = {gb(t.bytes)} GB" for t in fp.host]
+    return gpu + phases + host + [f"refused: {r}" for r in fp.refusals]
 
 
 def shown_option(p: StagePlan) -> Option:
@@ -53,12 +60,17 @@ def shown_option(p: StagePlan) -> Option:
     return next((o for o in p.options if o.verdict != NO_FIT), p.options[-1])
 
 
-def summary_line(p: StagePlan) -> str:
-    c = p.configured
+def summary_line(p: StagePlan, machine: Machine) -> str:
+    c, fp = p.configured, p.configured.footprint
+    peak = f" (peak: {fp.peak_phase()})" if fp.phases else ""
+    why = "".join(f"; {r}" for r in fp.refusals)
+    if fp.host_bytes() > HOST_USABLE * machine.host_bytes:
+        why += f"; host memory: more than the {gb(HOST_USABLE * machine.host_bytes)} GB usable a node"
     return (
-        f"{p.stage_id}: min_gpus {p.min_gpus() or 'none planned'} "
+        f"{p.stage_id} [{p.engine}]: min_gpus {p.min_gpus() or 'none planned'} "
         f"(with CPU offload: {p.min_gpus(OFFLOAD) or '-'}); at nproc={c.layout.gpus} "
-        f"({layout_text(p.kind, c.layout)}): {c.verdict}, {gb(c.footprint.gpu_bytes())} GB per GPU"
+        f"({layout_text(p.kind, c.layout)}): {c.verdict}, {gb(fp.gpu_bytes())} GB per GPU{peak}, "
+        f"{gb(fp.host_bytes())} GB host per node{why}"
     )
 
 
@@ -79,7 +91,7 @@ def render_text(name: str, shape: LlamaShape, machine: Machine, plans: list[Stag
         shown = shown_option(p)
         parts += [
             stage_table(p, machine).text(),
-            summary_line(p),
+            summary_line(p, machine),
             f"formulas at {shown.layout.gpus} GPUs:",
             *(f"  {f}" for f in formulas(shown)),
             "",
@@ -94,7 +106,7 @@ def render_markdown(name: str, shape: LlamaShape, machine: Machine, plans: list[
         shown = shown_option(p)
         parts += [
             stage_table(p, machine).markdown(),
-            summary_line(p),
+            summary_line(p, machine),
             "",
             f"Formulas at {shown.layout.gpus} GPUs:",
             "",
@@ -116,8 +128,11 @@ def option_json(kind: str, o: Option) -> dict:
         "zero_stage": o.layout.zero,
         "offload": o.layout.offload,
         "recompute": o.layout.recompute,
+        "param_offload": o.layout.param_offload,
         "gpu_bytes": o.footprint.gpu_bytes(),
         "host_bytes_per_node": o.footprint.host_bytes(),
+        "phases": o.footprint.phase_bytes() if o.footprint.phases else {},
+        "refusals": list(o.footprint.refusals),
         "gpu_terms": terms(o.footprint.gpu),
         "host_terms": terms(o.footprint.host),
     }
@@ -137,6 +152,7 @@ def plan_json(name: str, shape: LlamaShape, machine: Machine, plans: list[StageP
         "stages": {
             p.stage_id: {
                 "kind": p.kind,
+                "engine": p.engine,
                 "min_gpus": p.min_gpus(),
                 "min_gpus_with_offload": p.min_gpus(OFFLOAD),
                 "verdicts": {str(o.layout.gpus): o.verdict for o in p.options},

@@ -15,6 +15,9 @@ from core.config import ConfigError, Section
 PROFILES = Path(__file__).resolve().parents[1] / "slurm" / "profiles"
 # Values that go into #SBATCH lines: sbatch parses those lines itself, so they must be plain tokens.
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%=+/-]*$")
+# Slurm's --constraint grammar adds AND (&), OR (|), matching OR ([...]), counts (*n) and grouping
+# ((...)); inside an #SBATCH line, a comment to bash, none of them is read by a shell.
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.:,@%=+/&|\[\]*()-]*$")
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -113,11 +116,18 @@ class ClusterProfile(Section):
     ray: RayPorts = RayPorts()
     """Ports and start-up timeout of the Ray cluster a verl GRPO stage starts on its allocation."""
 
-    @field_validator("name", "partition", "account", "qos", "constraint", "time_limit")
+    @field_validator("name", "partition", "account", "qos", "time_limit")
     @classmethod
     def _plain_token(cls, value):
         if value is not None and not _DIRECTIVE_VALUE.match(value):
             raise ValueError(f"{value!r} is not a plain token usable in an #SBATCH line")
+        return value
+
+    @field_validator("constraint")
+    @classmethod
+    def _slurm_constraint(cls, value):
+        if value is not None and not _CONSTRAINT.match(value):
+            raise ValueError(f"{value!r} is not a Slurm node-feature constraint (features, & | [ ] * ( ))")
         return value
 
     @field_validator("extra_directives")

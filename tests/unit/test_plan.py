@@ -2,12 +2,14 @@
 70B verdicts against an independent search, the example configs' layouts, JSON shape, bad input."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from analysis.memory import BF16_MIXED, Layout, training_states
+from analysis.memory import BF16_MIXED, Footprint, Layout, Site, grpo_footprint, training_states
 from analysis.model_shape import shape_from_hf_config
-from analysis.plan import GIB, GPU_USABLE, NO_FIT
+from analysis.plan import GIB, GPU_USABLE, HOST_USABLE, NO_FIT, Machine, fits
+from core.config import GRPOStage, VerlConfig
 from pipeline.cli import main
 from tests.conftest import REPO
 
@@ -91,8 +93,8 @@ def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_
         str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"),
         "--gpus",
         ",".join(map(str, counts)),
-        "--gpu-memory-gib",
-        "80",
+        "--cluster",
+        "perlmutter-80g",
         "model.path=models/llama-3.3-70b",
     )
     sft = plan["stages"]["stage1_sft"]
@@ -101,21 +103,72 @@ def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_
     assert expected is not None and sft["min_gpus"] == expected
 
 
+CONFIG_70B, CONFIG_8B = REPO / "configs/llama-3.3-70b-perlmutter.yaml", REPO / "configs/llama-3.1-8b.yaml"
+
+
+def shipped_plan(capsys, tmp_path, config, cluster, model, *overrides) -> dict:
+    args = ["--cluster", cluster, f"model.path={MODELS / model}", *overrides]
+    return plan_json(capsys, tmp_path, str(config), *args)
+
+
 @pytest.mark.parametrize(
-    "config, args",
-    [
-        (
-            str(REPO / "configs/llama-3.3-70b-perlmutter.yaml"),
-            ["--gpu-memory-gib", "80", "model.path=models/llama-3.3-70b"],
-        ),
-        (str(REPO / "configs/llama-3.1-8b.yaml"), ["model.path=models/llama-3.1-8b"]),
-    ],
+    "config, cluster, model, key",
+    [(CONFIG_8B, "perlmutter", "llama-3.1-8b", "8b"), (CONFIG_70B, "perlmutter-80g", "llama-3.3-70b", "70b")],
 )
-def test_example_configs_layouts_fit_at_their_nproc(capsys, tmp_path, config, args):
-    plan = plan_json(capsys, tmp_path, config, "--gpus", "16", *args)
-    assert {sid: s["at_nproc"]["verdict"] for sid, s in plan["stages"].items()} == dict.fromkeys(
-        plan["stages"], "fits"
-    )
+def test_shipped_synthesis_on_verl_fits_where_the_native_sampler_does_not(
+    capsys, tmp_path, config, cluster, model, key
+):
+    native = shipped_plan(capsys, tmp_path, config, cluster, model, "stage3_synth.engine=native")
+    assert native["stages"]["stage3_synth"]["at_nproc"]["verdict"] == NO_FIT
+    on_verl = shipped_plan(capsys, tmp_path, config, cluster, model)["stages"]["stage3_synth"]
+    assert on_verl["engine"].startswith("verl vllm") and on_verl["at_nproc"]["verdict"] == "fits"
+
+
+def test_8b_config_with_synthesis_on_verl_fits_its_40gb_nodes_at_its_nproc(capsys, tmp_path):
+    plan = shipped_plan(capsys, tmp_path, CONFIG_8B, "perlmutter", "llama-3.1-8b")
+    stages = plan["stages"]
+    assert {sid: s["at_nproc"]["verdict"] for sid, s in stages.items()} == dict.fromkeys(stages, "fits")
+    assert stages["stage2_grpo"]["engine"].startswith("verl fsdp, vllm tp2")
+    assert stages["stage3_synth"]["engine"] == "verl vllm tp1 gmu0.85"
+    assert {s["at_nproc"]["gpus"] for s in stages.values()} == {16}
+
+
+def test_70b_config_with_synthesis_on_verl_fits_80gb_nodes_but_for_verls_rank0_fp32_load(capsys, tmp_path):
+    """Every stage fits its GPUs at nproc 128; GRPO on verl's FSDP backend does not fit the node's
+    host memory: rank 0 builds the whole actor in fp32 (4·P = 282 GB) before sharding it."""
+    plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter-80g", "llama-3.3-70b")
+    host_usable = HOST_USABLE * plan["cluster"]["host_bytes"]
+    for sid, stage in plan["stages"].items():
+        at = stage["at_nproc"]
+        assert at["gpus"] == 128 and at["gpu_bytes"] <= GPU_USABLE * plan["cluster"]["gpu_bytes"], sid
+        assert not at["refusals"], sid
+        grpo = stage["kind"] == "grpo"
+        assert at["verdict"] == (NO_FIT if grpo else "fits"), sid
+        assert (at["host_bytes_per_node"] > host_usable) == grpo, sid
+    loading = {t["name"]: t["bytes"] for t in plan["stages"]["stage2_grpo"]["at_nproc"]["host_terms"]}[
+        "loading"
+    ]
+    assert loading == 4 * PUBLISHED["llama-3.3-70b"] > host_usable
+
+
+def test_summary_line_names_the_engine_its_settings_and_the_verdict(capsys, tmp_path):
+    argv = [
+        "plan",
+        str(CONFIG_8B),
+        "--cluster",
+        "perlmutter",
+        "--gpus",
+        "16",
+        "--out",
+        str(tmp_path / "p.md"),
+    ]
+    assert main([*argv, f"model.path={MODELS / 'llama-3.1-8b'}"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage2_grpo [")]
+    assert lines == [
+        "stage2_grpo [verl fsdp, vllm tp2 gmu0.5, micro-batch 8, offload: none]: min_gpus 16 "
+        "(with CPU offload: -); at nproc=16 (fsdp16 +recompute, rollout tp2): fits, 27.50 GB per GPU "
+        "(peak: generation), 56.15 GB host per node"
+    ]
 
 
 def test_json_gives_per_stage_verdicts_min_gpus_and_formulas(capsys, tmp_path):
@@ -125,7 +178,9 @@ def test_json_gives_per_stage_verdicts_min_gpus_and_formulas(capsys, tmp_path):
         assert set(stage["verdicts"]) == {"1", "2", "4"}
         assert stage["min_gpus"] == 1  # a 1.2M-parameter model fits anywhere
         option = stage["options"][0]
-        assert option["gpu_bytes"] == pytest.approx(sum(t["bytes"] for t in option["gpu_terms"]))
+        # the peak phase's terms (SFT: training or its final eval), else all terms at once
+        whole = sum(t["bytes"] for t in option["gpu_terms"])
+        assert option["gpu_bytes"] == pytest.approx(max(option["phases"].values(), default=whole))
         assert all(t["formula"] for t in option["gpu_terms"] + option["host_terms"])
     assert (tmp_path / "plan.md").read_text().startswith("# Memory plan: tiny-cpu")
 
@@ -153,66 +208,91 @@ def test_plan_of_an_hf_config_without_config_json_names_model_path(capsys, tmp_p
     assert "model.path" in capsys.readouterr().err
 
 
-def test_keeping_layers_gathered_counts_the_whole_model_for_actor_and_reference():
-    from analysis.memory import grpo_footprint
-    from core.config import GRPOStage
+SHAPE_8B = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
+SITE = Site(gpu_bytes=40 * GIB, gpus_per_node=4, runtime_per_rank=0.0)
 
-    shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
+
+def grpo_terms(layout: Layout, **stage) -> tuple[dict[str, float], Footprint]:
+    fp = grpo_footprint(SHAPE_8B, GRPOStage(**stage), layout, SITE)
+    return {t.name: t.bytes for t in fp.gpu}, fp
+
+
+def verl(**settings) -> dict:
+    return {"engine": "verl", "verl": VerlConfig(**settings)}
+
+
+def test_native_grpo_holds_native_fits_residency_and_gathers_by_reshard_setting():
     n = 8
+    layout = Layout(gpus=n, tp=1, zero=3)
+    resharding, _ = grpo_terms(layout)
+    keeping, _ = grpo_terms(layout, reshard_after_forward=False)
+    whole, _ = grpo_terms(layout, fsdp_units="model")
+    ddp, _ = grpo_terms(Layout(gpus=n, tp=1, zero=0), data_parallel="ddp")
+    assert resharding["resident"] == 20 * P_8B / n + 8 * P_8B  # native_fit's fsdp2 formula
+    assert ddp["resident"] == 24 * P_8B and ddp["actor_gathered"] == 0
+    assert keeping["actor_gathered"] == whole["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
 
-    def gpu_terms(reshard: bool) -> dict[str, float]:
-        footprint = grpo_footprint(
-            shape,
-            GRPOStage(reshard_after_forward=reshard),
-            Layout(gpus=n, tp=1, zero=3),
-            prompt_tokens=512,
-            gpus_per_node=4,
-            runtime_per_rank=0.0,
-        )
-        return {t.name: t.bytes for t in footprint.gpu}
 
-    resharding, keeping = gpu_terms(True), gpu_terms(False)
-    one_unit = grpo_footprint(
-        shape,
-        GRPOStage(fsdp_units="model"),
-        Layout(gpus=n, tp=1, zero=3),
-        prompt_tokens=512,
-        gpus_per_node=4,
-        runtime_per_rank=0.0,
+def test_verl_activations_scale_with_micro_batch_per_gpu_not_with_samples_over_n():
+    layout = Layout(gpus=8, tp=2, zero=3, recompute=True)
+    one, _ = grpo_terms(layout, **verl(micro_batch_size_per_gpu=1))
+    four, _ = grpo_terms(layout, **verl(micro_batch_size_per_gpu=4))
+    more_samples, _ = grpo_terms(layout, prompts_per_step=512, **verl(micro_batch_size_per_gpu=1))
+    assert four["activations"] == pytest.approx(4 * one["activations"])
+    assert more_samples["activations"] == one["activations"]
+
+
+def test_verl_offload_moves_exactly_the_offloaded_states_from_gpu_to_host():
+    settings = dict(gpus=8, tp=2, zero=3, recompute=True)
+    (kept, fp_kept), (_, fp_moved) = (
+        grpo_terms(Layout(**settings), **verl()),
+        grpo_terms(
+            Layout(**settings, offload=True, param_offload=True),
+            **verl(param_offload=True, optimizer_offload=True),
+        ),
     )
-    assert {t.name: t.bytes for t in one_unit.gpu}["actor_gathered"] == 2 * P_8B  # the whole model per pass
-    assert keeping["reference_weights"] == 2 * P_8B == n * resharding["reference_weights"]
-    assert keeping["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
-    assert {k: v for k, v in keeping.items() if k not in ("reference_weights", "actor_gathered")} == {
-        k: v for k, v in resharding.items() if k not in ("reference_weights", "actor_gathered")
-    }
+    generation = lambda fp: fp.phase_bytes()["generation"]  # noqa: E731
+    assert generation(fp_kept) - generation(fp_moved) == kept["actor_weights"] + kept["actor_optimizer"]
+    ranks = 4
+    moved_host = fp_moved.host_bytes() - fp_kept.host_bytes()
+    assert moved_host == pytest.approx(ranks * (kept["actor_weights"] + kept["actor_optimizer"]))
+    assert fp_kept.phase_bytes()["training"] == fp_moved.phase_bytes()["training"]  # loaded to train
 
 
-def test_ddp_counts_the_whole_actor_and_reference_on_every_rank():
-    from analysis.memory import grpo_footprint
-    from core.config import GRPOStage
-
-    shape = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
-
-    def gpu_terms(**stage) -> dict[str, float]:
-        footprint = grpo_footprint(
-            shape,
-            GRPOStage(**stage),
-            Layout(gpus=8, tp=1, zero=3),
-            prompt_tokens=512,
-            gpus_per_node=4,
-            runtime_per_rank=0.0,
-        )
-        return {t.name: t.bytes for t in footprint.gpu}
-
-    ddp, fsdp2 = gpu_terms(data_parallel="ddp"), gpu_terms()
-    # fp32 weights and gradients and Adam's two fp32 moments, none of them divided over the 8 ranks
-    assert (ddp["actor_weights"], ddp["actor_gradients"], ddp["actor_optimizer"]) == (
-        4 * P_8B,
-        4 * P_8B,
-        8 * P_8B,
+def test_a_rollout_whose_weights_exceed_its_gmu_share_does_not_fit():
+    machine = Machine("test", "GPU", 40 * GIB, 4, 1024 * GIB)
+    _, fp = grpo_terms(
+        Layout(gpus=8, tp=1, zero=3, recompute=True), **verl(rollout_tp=1, gpu_memory_utilization=0.3)
     )
-    assert ddp["actor_optimizer"] == 8 * fsdp2["actor_optimizer"]
-    assert ddp["reference_weights"] == 2 * P_8B and ddp["actor_gathered"] == 0
-    # verl's trainer shards whatever the native engine's setting
-    assert gpu_terms(data_parallel="ddp", engine="verl") == fsdp2
+    assert P_8B * 2 > 0.3 * 40 * GIB and fp.refusals and "exceed" in fp.refusals[0]
+    assert not fits(fp, machine)
+    _, roomy = grpo_terms(
+        Layout(gpus=8, tp=2, zero=3, recompute=True), **verl(rollout_tp=2, gpu_memory_utilization=0.6)
+    )
+    assert not roomy.refusals and fits(roomy, machine)
+
+
+def test_vllm_needs_one_max_model_len_sequence_of_kv_beside_its_weights():
+    shape = SHAPE_8B
+    assert shape.max_positions == 131072
+    kv = 2 * shape.layers * shape.kv_width * 2 * 131072  # bf16 keys and values of one sequence
+    gmu = (2 * P_8B + kv / 2) / (40 * GIB)  # exactly enough on one GPU for half the sequence's KV
+    _, fp = grpo_terms(
+        Layout(gpus=8, tp=1, zero=3, recompute=True), **verl(rollout_tp=1, gpu_memory_utilization=gmu)
+    )
+    assert fp.refusals and "max_model_len" in fp.refusals[0]
+
+
+def test_native_eval_of_sft_is_a_phase_of_its_own_holding_the_whole_model():
+    from analysis.memory import sft_footprint
+    from core.config import EvalConfig, SFTStage
+
+    stage = SFTStage(dtype="bf16", micro_batch_size=1, max_seq_len=512)
+    layout = Layout(gpus=8, tp=2, zero=2)
+    native = sft_footprint(SHAPE_8B, stage, layout, SITE)
+    on_verl = sft_footprint(SHAPE_8B, stage, layout, replace(SITE, eval=EvalConfig(engine="verl")))
+    terms = {t.name: t.bytes for t in native.gpu}
+    assert terms["eval_weights"] == 2 * P_8B
+    assert native.phase_bytes()["training"] == on_verl.phase_bytes()["training"]
+    assert native.phase_bytes()["final_eval"] == terms["eval_weights"] + terms["eval_kv_cache"]
+    assert on_verl.phase_bytes()["final_eval"] == pytest.approx(0.6 * 40 * GIB)

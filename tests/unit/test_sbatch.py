@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from core.cluster import load_profile
 from launch.sbatch import render_stage_script, sbatch_command
@@ -41,6 +42,13 @@ def test_perlmutter_script_has_gpu_directives_and_slingshot_env(nodes, tmp_path)
     assert script.rstrip().endswith(f"-m pipeline.cli stage {shlex.quote(str(tmp_path / 'run'))} stage2_grpo")
 
 
+def test_perlmutter_80g_profile_asks_for_the_hbm80g_nodes(tmp_path):
+    profile = load_profile("perlmutter-80g")
+    assert (profile.gpu_memory_gib, profile.gpu_name) == (80, "A100-SXM4-80GB")
+    d = directives(render_stage_script(profile, tmp_path / "run", "stage2_grpo", 2))
+    assert "--constraint=gpu&hbm80g" in d and "--gpus-per-node=4" in d
+
+
 @pytest.mark.parametrize("nodes", [1, 2, 32])
 def test_generic_script_uses_one_task_per_gpu(nodes, tmp_path):
     d = directives(render_stage_script(load_profile("generic"), tmp_path, "stage1_sft", nodes))
@@ -49,7 +57,7 @@ def test_generic_script_uses_one_task_per_gpu(nodes, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is installed by make test")
-@pytest.mark.parametrize("profile", ["perlmutter", "generic", "local"])
+@pytest.mark.parametrize("profile", ["perlmutter", "perlmutter-80g", "generic", "local"])
 @pytest.mark.parametrize("nodes", [1, 2, 32])
 def test_rendered_scripts_pass_shellcheck(profile, nodes, tmp_path):
     script = tmp_path / "stage.sbatch"
@@ -118,3 +126,22 @@ def test_hostile_profile_values_are_rejected(tmp_path):
     bad.write_text('name: bad\naccount: "m1234\\n#SBATCH --wrap=touch /tmp/pwned"\n')
     with pytest.raises(ConfigError, match="account"):
         load_profile(str(bad))
+
+
+@pytest.mark.parametrize(
+    "constraint", ["gpu;touch /tmp/pwned", "gpu&hbm80g\n#SBATCH --wrap=x", "gpu $(id)", "a`id`"]
+)
+def test_constraints_outside_slurms_grammar_are_rejected(tmp_path, constraint):
+    from core.config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "constraint": constraint}))
+    with pytest.raises(ConfigError, match="constraint"):
+        load_profile(str(bad))
+
+
+@pytest.mark.parametrize("constraint", ["gpu&hbm80g", "[rack1|rack2]", "(a&b)|c", "knl*2"])
+def test_slurm_constraint_grammar_is_accepted(tmp_path, constraint):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({"name": "good", "constraint": constraint}))
+    assert load_profile(str(good)).constraint == constraint

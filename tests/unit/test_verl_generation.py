@@ -110,7 +110,7 @@ def submit_70b(tmp_path, *overrides):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"question": "What is 1 plus 1?", "answer": "1 plus 1 is 2.\n#### 2"}) + "\n")
     files = [f"data.{name}_file={data}" for name in ("sft", "prompts", "eval")]
-    argv = ["submit", str(CONFIG_70B), "--cluster", "perlmutter", "--nodes", "32", "--dry-run"]
+    argv = ["submit", str(CONFIG_70B), "--cluster", "perlmutter-80g", "--nodes", "32", "--dry-run"]
     return main([*argv, "--run-dir", str(tmp_path / "run"), SHAPE_70B, *files, *overrides])
 
 
