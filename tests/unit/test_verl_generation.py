@@ -56,6 +56,8 @@ def test_synthesis_settings_reach_verls_rollout_config(tmp_path):
     s = cfg.stage3_synth
     assert (rollout.n, rollout.temperature, rollout.top_p) == (6, s.temperature, 0.9)
     assert rollout.response_length == s.max_new_tokens and rollout.prompt_length == s.verl.max_prompt_length
+    # what vLLM must hold, not the model's 131072 positions (whose KV cache it would reserve room for)
+    assert rollout.max_model_len == s.verl.max_prompt_length + s.max_new_tokens
     assert rollout.tensor_model_parallel_size == s.verl.rollout_tp
     assert rollout.gpu_memory_utilization == s.verl.gpu_memory_utilization
     # a standalone replica has no actor to sync from: verl's default 'dummy' would answer at random
@@ -206,3 +208,20 @@ def test_held_out_answers_from_verl_are_scored_as_the_native_eval_scores_them():
     responses = [RIGHT.format(0), WRONG, BARE.format(4)]
     assert tally(EXAMPLES, responses) == [2, 2, 3]  # correct, well-formed, scored
     assert accuracy_of(tally(EXAMPLES, responses)) == {"accuracy": 2 / 3, "format_rate": 2 / 3, "n": 3}
+
+
+def test_grpo_rollout_holds_prompt_and_response_not_the_models_positions(tmp_path):
+    """Unset, verl hands vLLM the model's max_position_embeddings (131072 for Llama 3.1 8B), and
+    vLLM refuses to start unless a sequence that long fits its KV cache beside the weights."""
+    from stages.engines.verl_trainer import check_verl_stage
+
+    cfg = load_config(
+        REPO / "configs" / "llama-3.1-8b.yaml",
+        [f"model.path={REPO / 'configs' / 'models' / 'llama-3.1-8b'}"],
+        data_files=False,
+    )
+    rollout = compose_verl_config(
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 4, 4)
+    ).actor_rollout_ref.rollout
+    s = cfg.stage2_grpo
+    assert rollout.max_model_len == s.verl.max_prompt_length + s.max_new_tokens < 131072
