@@ -117,6 +117,10 @@ def backend_overrides(s: GRPOStage) -> dict:
     v = s.verl
     if v.backend == "fsdp":
         return {
+            # verl loads HF models with flash_attention_2 unless told otherwise, and packs sequences
+            # for it (use_remove_padding); requirements-gpu.lock has no flash-attn (no wheel on PyPI).
+            "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+            "actor_rollout_ref.model.use_remove_padding": False,
             "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
             "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
             "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,

@@ -225,3 +225,21 @@ def test_grpo_rollout_holds_prompt_and_response_not_the_models_positions(tmp_pat
     ).actor_rollout_ref.rollout
     s = cfg.stage2_grpo
     assert rollout.max_model_len == s.verl.max_prompt_length + s.max_new_tokens < 131072
+
+
+def test_verls_fsdp_actor_asks_only_for_attention_the_gpu_lock_installs(tmp_path):
+    """verl's default is flash_attention_2 with packed sequences (use_remove_padding); without
+    flash-attn, transformers refuses to build the model on the first GPU."""
+    from stages.engines.verl_trainer import check_verl_stage
+
+    lock = (REPO / "requirements-gpu.lock").read_text().lower()
+    cfg = load_config(
+        REPO / "configs" / "llama-3.1-8b.yaml",
+        [f"model.path={REPO / 'configs' / 'models' / 'llama-3.1-8b'}"],
+        data_files=False,
+    )
+    model = compose_verl_config(
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 4, 4)
+    ).actor_rollout_ref.model
+    if "\nflash-attn==" not in lock and "\nflash_attn==" not in lock:
+        assert model.override_config.attn_implementation == "sdpa" and model.use_remove_padding is False
