@@ -4,8 +4,8 @@ so the plan can show where each number comes from.
 
 Symbols: P parameters, L layers, h hidden, kv key/value width (KV heads x head_dim), f FFN width,
 a query heads, V vocabulary, b sequences per micro-batch, s tokens per sequence, tp tensor-parallel
-size, dp data-parallel size, N GPUs of the stage; w/g/o bytes per parameter of weights, gradients
-and optimizer states, c bytes per activation element.
+size, pp pipeline-parallel size, dp data-parallel size, N GPUs of the stage; w/g/o bytes per
+parameter of weights, gradients and optimizer states, c bytes per activation element.
 
 What each stage is assumed to run is ASSUMPTIONS, printed with every plan.
 """
@@ -41,6 +41,9 @@ BF16_MIXED = Precision(weight=2, grad=2, optimizer=12, compute=2)
 # FSDP with mixed precision keeps the sharded parameters in fp32 (they are the master copy) and
 # casts the gathered ones to bf16 for compute: 16 bytes a parameter, as BF16_MIXED, all sharded.
 FSDP_MIXED = Precision(weight=4, grad=4, optimizer=8, compute=2)
+# megatron-core under verl: bf16 parameters in DDP's buffer, fp32 main gradients
+# (grad_reduce_in_fp32), the distributed optimizer's fp32 master copy and Adam m, v.
+MCORE_MIXED = Precision(weight=2, grad=4, optimizer=12, compute=2)
 SFT_PRECISION = {"fp32": FP32, "bf16": BF16_MIXED}
 
 ASSUMPTIONS = (
@@ -67,6 +70,31 @@ ASSUMPTIONS = (
     "bf16. The peak is the largest of these phases. Rank 0 loads the whole model in fp32 on the CPU "
     "before FSDP shards it (utils/fsdp_utils.py get_init_weight_context_manager), so the first node "
     "needs 4·P bytes of host memory at start.",
+    "GRPO on verl 0.9.1's megatron backend (model_engine megatron; the same hybrid engine and phases), "
+    "with verl's defaults (trainer/config/engine/megatron.yaml): the actor is megatron-core over "
+    "tp·pp, bf16 parameters (dtype bfloat16) in DDP's buffer, P·2/tp/pp; fp32 main gradients "
+    "(grad_reduce_in_fp32, workers/engine/megatron/transformer_impl.py _resolve_override_ddp_config), "
+    "P·4/tp/pp on every data-parallel rank for the engine's life; the distributed optimizer "
+    "(use_distributed_optimizer true) shards the fp32 master copy and Adam's m, v over dp = N/(tp·pp), "
+    "P·12/tp/pp/dp. param_offload copies the parameters to pinned host memory and frees the gradient "
+    "buffer without copying it; optimizer_offload moves the master copy and m, v to host memory "
+    "(utils/megatron_utils.py offload_megatron_model_to_cpu, offload_megatron_optimizer), outside "
+    "their use (workers/engine/base.py BaseEngineCtx). The reference is the same model forward-only, "
+    "bf16 P·2/tp/pp, offloaded only with param_offload (its megatron.param_offload follows the "
+    "actor's, trainer/config/ref/megatron_ref.yaml; transformer_impl.py initialize). No activation "
+    "recomputation (override_transformer_config.recompute_granularity null; recompute_modules "
+    "applies only to selective), flash attention, sequence parallel on: every layer's activations of "
+    "micro_batch_size_per_gpu sequences, all split over TP; under 1F1B the first pipeline stage holds "
+    "at most pp micro-batches of its L/pp layers (L layers' worth), the last stage the logits: both "
+    "counted. The weight sync loads the actor's parameters without gradients (get_per_tensor_param) "
+    "and gathers each tensor's TP shards, then concatenates them (Megatron-Bridge param_mapping.py "
+    "megatron_to_hf): twice the largest tensor. Loading: verl reads the Hugging Face checkpoint "
+    "through Megatron-Bridge (use_mbridge true, vanilla_mbridge false: bridge.load_hf_weights), where "
+    "every rank fetches the whole checkpoint tensors of its own pipeline stage one at a time and TP "
+    "rank 0 splits and scatters them (NVIDIA-NeMo/Megatron-Bridge models/conversion/model_bridge.py "
+    "load_weights_hf_to_megatron; not installed here): P/pp a rank, counted as other loaders' reads "
+    "are; no rank builds the whole model. Refused: tp·pp not dividing N, pp not dividing L, tp not "
+    "dividing the KV heads.",
     "vLLM (verl's rollout and generation server) refuses to start unless gmu x GPU memory, less its "
     "weights, holds the KV cache of one max_model_len sequence (vllm/v1/core/kv_cache_utils.py "
     "check_enough_kv_cache_memory). verl 0.9.1 sets max_model_len to the model's "
@@ -113,10 +141,15 @@ class Layout:
     recompute_granularity=full, Hugging Face gradient checkpointing)."""
     param_offload: bool = False
     """Parameters (and gradients) live in host memory outside their use (verl param_offload)."""
+    pp: int = 1
+    """Pipeline-parallel size (verl's megatron actor)."""
+    megatron: bool = False
+    """GRPO on verl's megatron backend: tp and pp are the actor's (the rollout's TP is the stage's
+    verl.rollout_tp), dp = N/(tp·pp)."""
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // (self.tp * self.pp)
 
 
 @dataclass(frozen=True)
@@ -168,10 +201,10 @@ def _shard(zero: int, at_least: int, dp: int) -> tuple[str, int]:
 
 
 def training_states(P: int, prec: Precision, layout: Layout) -> list[Term]:
-    """Weights, gradients and optimizer states of one GPU under TP and ZeRO (offloaded optimizer
+    """Weights, gradients and optimizer states of one GPU under TP, PP and ZeRO (offloaded optimizer
     states are 0 here: they are counted in host memory)."""
-    t, dp, z = layout.tp, layout.dp, layout.zero
-    tp = "/tp" if t > 1 else ""
+    t, dp, z = layout.tp * layout.pp, max(layout.dp, 1), layout.zero
+    tp = ("/tp" if layout.tp > 1 else "") + ("/pp" if layout.pp > 1 else "")
     (wd, wn), (gd, gn), (od, on) = _shard(z, 3, dp), _shard(z, 2, dp), _shard(z, 1, dp)
     optimizer = 0.0 if layout.offload else P * prec.optimizer / (t * on)
     return [
@@ -288,7 +321,9 @@ def rollout_terms(
 
 
 def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
-    return (verl_grpo_footprint if g.engine == "verl" else native_grpo_footprint)(m, g, layout, site)
+    if g.engine == "native":
+        return native_grpo_footprint(m, g, layout, site)
+    return (megatron_grpo_footprint if layout.megatron else verl_grpo_footprint)(m, g, layout, site)
 
 
 def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
@@ -333,14 +368,94 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         Term("sync_tensor", "V·h·2 (the largest tensor, gathered in bf16)", m.vocab * m.hidden * BF16),
     ]
     kept = ("actor_weights",) * (not layout.param_offload) + ("actor_optimizer",) * (not layout.offload)
-    optimizer_kept = ("actor_optimizer",) * (not layout.offload)
-    phases = {
-        "generation": ("rollout_budget", *kept),
-        "weight_sync": ("rollout_weights", "sync_tensor", "actor_weights", *optimizer_kept),
-        "reference": ("reference_gathered", *kept),
-        "training": ("actor_weights", "actor_gradients", "actor_optimizer", "actor_gathered", "activations"),
-    }
+    phases = verl_phases(
+        kept,
+        reference=("reference_gathered",),
+        training=("actor_weights", "actor_gradients", "actor_optimizer", "actor_gathered", "activations"),
+    )
     return Footprint(gpu, verl_host(m, layout, site), phases, refusals)
+
+
+def verl_phases(kept: tuple[str, ...], reference: tuple[str, ...], training: tuple[str, ...]) -> dict:
+    """A hybrid-engine step's phases: each holds the terms it uses and those kept on the GPU
+    outside their use (not offloaded). The weight sync holds the actor's parameters (no gradients),
+    the rollout's weights and the tensor being sent."""
+    uses = {
+        "generation": ("rollout_budget",),
+        "weight_sync": ("rollout_weights", "sync_tensor", "actor_weights"),
+        "reference": reference,
+        "training": training,
+    }
+    return {phase: tuple(dict.fromkeys(names + kept)) for phase, names in uses.items()}
+
+
+def megatron_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
+    """verl's hybrid engine, megatron backend: the same phases as FSDP's (ASSUMPTIONS)."""
+    v = g.verl
+    budget, rollout_weights, min_kv, refusals = rollout_terms(
+        m, v, site.gpu_bytes, layout.gpus, g.max_new_tokens
+    )
+    weights, grads, optimizer = (
+        replace(t, name=f"actor_{t.name}")
+        for t in training_states(m.params(), MCORE_MIXED, replace(layout, offload=False))
+    )
+    s = v.max_prompt_length + g.max_new_tokens
+    gpu = [
+        weights,
+        replace(grads, formula=f"{grads.formula} (fp32 main gradients)"),
+        optimizer,
+        replace(weights, name="reference_weights"),
+        pipelined_activations(m, v.micro_batch_size_per_gpu, s, layout.tp),
+        budget,
+        rollout_weights,
+        min_kv,
+        Term(
+            "sync_tensor",
+            "V·h·2·2 (the largest tensor's TP shards gathered, then concatenated)",
+            4 * m.vocab * m.hidden,
+        ),
+    ]
+    params_kept = ("actor_weights", "actor_gradients", "reference_weights") * (not layout.param_offload)
+    kept = params_kept + ("actor_optimizer",) * (not layout.offload)
+    phases = verl_phases(
+        kept,
+        reference=("reference_weights",),
+        training=("actor_weights", "actor_gradients", "actor_optimizer", "activations"),
+    )
+    host = megatron_host(m, layout, site, weights, optimizer)
+    return Footprint(gpu, host, phases, refusals + megatron_refusals(m, layout))
+
+
+def pipelined_activations(m: LlamaShape, b: int, s: int, tp: int) -> Term:
+    """verl's megatron actor saves every layer's activations (no recomputation), all split over TP
+    by sequence parallelism; under 1F1B the first pipeline stage has at most pp micro-batches of its
+    L/pp layers in flight, L layers' worth, the last stage the logits: both counted."""
+    whole = activations(m, b, s, BF16, 1, False, False)
+    return replace(whole, formula=f"({whole.formula})/tp  [sequence parallel, 1F1B]", bytes=whole.bytes / tp)
+
+
+def megatron_refusals(m: LlamaShape, layout: Layout) -> tuple[str, ...]:
+    tp, pp, n = layout.tp, layout.pp, layout.gpus
+    checks = (
+        (n % (tp * pp), f"megatron tp·pp ({tp * pp}) does not divide {n} GPUs"),
+        (m.layers % pp, f"megatron pp {pp} does not divide the {m.layers} layers"),
+        (m.kv_heads % tp, f"megatron tp {tp} does not divide the {m.kv_heads} KV heads"),
+    )
+    return tuple(why for bad, why in checks if bad)
+
+
+def megatron_host(m: LlamaShape, layout: Layout, site: Site, weights: Term, optimizer: Term) -> list[Term]:
+    """Per node: every rank reads the whole checkpoint tensors of its pipeline stage (TP rank 0
+    splits and scatters them), then param_offload moves the actor's and the reference's bf16
+    parameters and optimizer_offload the optimizer's states to host memory."""
+    ranks = node_ranks(layout, site.gpus_per_node)
+    moved = [t for t, on in ((weights, layout.param_offload), (optimizer, layout.offload)) if on]
+    ref = layout.param_offload * weights.bytes
+    return [
+        *host_terms(m, "P/pp", m.params() / layout.pp, ranks, site),
+        Term("reference", f"ranks·{weights.formula} (param_offload)" if ref else "0", ranks * ref),
+        offloaded(" + ".join(t.formula for t in moved), sum(t.bytes for t in moved), ranks),
+    ]
 
 
 def verl_host(m: LlamaShape, layout: Layout, site: Site) -> list[Term]:

@@ -2,8 +2,9 @@
 count, its layout on the cluster's nodes, memory per GPU and host memory per node
 (analysis/memory.py's formulas), and the verdict.
 
-A GRPO or synthesis stage is planned as its engine is configured (verl's rollout_tp, offload flags
-and micro-batch; the native engines' one layout), at every GPU count. SFT's layout is searched:
+A GRPO or synthesis stage is planned as its engine is configured (verl's rollout_tp, offload flags,
+micro-batch and, on the megatron backend, its tp and pp; the native engines' one layout), at every
+GPU count. SFT's layout is searched:
 the smallest tensor-parallel size that fits wins (TP traffic is the costliest and stays
 within a node), then no activation recomputation (it costs a third more compute), then the lowest
 ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus`
@@ -115,6 +116,10 @@ def engine_layout(stage, gpus: int) -> Layout:
         return Layout(gpus, 1, zero)
     if isinstance(stage, SynthStage):
         return Layout(gpus, v.rollout_tp, 0)
+    if v.backend == "megatron":  # megatron's distributed optimizer: ZeRO-1 over dp = N/(tp·pp)
+        return Layout(
+            gpus, v.megatron_tp, 1, v.optimizer_offload, False, v.param_offload, v.megatron_pp, megatron=True
+        )
     # verl's actor: FSDP over all, gradient checkpointing on (its default)
     return Layout(gpus, v.rollout_tp, 3, v.optimizer_offload, True, v.param_offload)
 
@@ -129,8 +134,9 @@ def engine_text(stage) -> str:
     if isinstance(stage, SynthStage):
         return text
     offload = [name for name, on in (("param", v.param_offload), ("optimizer", v.optimizer_offload)) if on]
+    backend = v.backend + (f" tp{v.megatron_tp} pp{v.megatron_pp}" if v.backend == "megatron" else "")
     return (
-        f"verl {v.backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
+        f"verl {backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
         f"offload: {'+'.join(offload) or 'none'}"
     )
 

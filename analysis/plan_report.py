@@ -15,6 +15,8 @@ def layout_text(kind: str, layout: Layout) -> str:
     extras += " +recompute" * layout.recompute
     if kind == "sft":
         return f"tp{layout.tp} dp{layout.dp} zero{layout.zero}{extras}"
+    if kind == "grpo" and layout.megatron:
+        return f"megatron tp{layout.tp} pp{layout.pp} dp{layout.dp}{extras}"
     if kind == "grpo":
         return f"fsdp{layout.gpus}{extras}, rollout tp{layout.tp}"
     return f"tp{layout.tp} x{layout.dp} replicas"
@@ -129,6 +131,7 @@ def option_json(kind: str, o: Option) -> dict:
         "offload": o.layout.offload,
         "recompute": o.layout.recompute,
         "param_offload": o.layout.param_offload,
+        "pp": o.layout.pp,
         "gpu_bytes": o.footprint.gpu_bytes(),
         "host_bytes_per_node": o.footprint.host_bytes(),
         "phases": o.footprint.phase_bytes() if o.footprint.phases else {},

@@ -133,21 +133,31 @@ def test_8b_config_with_synthesis_on_verl_fits_its_40gb_nodes_at_its_nproc(capsy
     assert {s["at_nproc"]["gpus"] for s in stages.values()} == {16}
 
 
-def test_70b_config_with_synthesis_on_verl_fits_80gb_nodes_but_for_verls_rank0_fp32_load(capsys, tmp_path):
-    """Every stage fits its GPUs at nproc 128; GRPO on verl's FSDP backend does not fit the node's
-    host memory: rank 0 builds the whole actor in fp32 (4·P = 282 GB) before sharding it."""
+def test_70b_config_fits_every_stage_at_nproc_128_on_80gb_nodes(capsys, tmp_path):
+    """GPU and host memory of every stage at nproc 128, GRPO on verl's megatron backend."""
     plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter-80g", "llama-3.3-70b")
     host_usable = HOST_USABLE * plan["cluster"]["host_bytes"]
     for sid, stage in plan["stages"].items():
         at = stage["at_nproc"]
-        assert at["gpus"] == 128 and at["gpu_bytes"] <= GPU_USABLE * plan["cluster"]["gpu_bytes"], sid
-        assert not at["refusals"], sid
-        grpo = stage["kind"] == "grpo"
-        assert at["verdict"] == (NO_FIT if grpo else "fits"), sid
-        assert (at["host_bytes_per_node"] > host_usable) == grpo, sid
-    loading = {t["name"]: t["bytes"] for t in plan["stages"]["stage2_grpo"]["at_nproc"]["host_terms"]}[
-        "loading"
-    ]
+        assert at["gpus"] == 128 and at["verdict"] == "fits" and not at["refusals"], sid
+        assert at["gpu_bytes"] <= GPU_USABLE * plan["cluster"]["gpu_bytes"], sid
+        assert at["host_bytes_per_node"] <= host_usable, sid
+    for sid in ("stage2_grpo", "stage4_grpo"):
+        grpo = plan["stages"][sid]
+        assert grpo["engine"] == "verl megatron tp4 pp4, vllm tp4 gmu0.6, micro-batch 1, offload: param"
+        assert grpo["at_nproc"]["layout"] == "megatron tp4 pp4 dp8 +param_offload"
+
+
+def test_70b_grpo_on_verls_fsdp_backend_does_not_fit_for_its_rank0_fp32_load(capsys, tmp_path):
+    """On FSDP the GRPO stages fit their GPUs but not the node's host memory: rank 0 builds the
+    whole actor in fp32 (4·P = 282 GB) before sharding it."""
+    fsdp = [f"{sid}.verl.backend=fsdp" for sid in ("stage2_grpo", "stage4_grpo")]
+    plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter-80g", "llama-3.3-70b", *fsdp)
+    host_usable = HOST_USABLE * plan["cluster"]["host_bytes"]
+    at = plan["stages"]["stage2_grpo"]["at_nproc"]
+    assert at["verdict"] == NO_FIT and not at["refusals"]
+    assert at["gpu_bytes"] <= GPU_USABLE * plan["cluster"]["gpu_bytes"] < at["host_bytes_per_node"]
+    loading = {t["name"]: t["bytes"] for t in at["host_terms"]}["loading"]
     assert loading == 4 * PUBLISHED["llama-3.3-70b"] > host_usable
 
 
@@ -296,3 +306,66 @@ def test_native_eval_of_sft_is_a_phase_of_its_own_holding_the_whole_model():
     assert native.phase_bytes()["training"] == on_verl.phase_bytes()["training"]
     assert native.phase_bytes()["final_eval"] == terms["eval_weights"] + terms["eval_kv_cache"]
     assert on_verl.phase_bytes()["final_eval"] == pytest.approx(0.6 * 40 * GIB)
+
+
+def megatron(tp: int, pp: int, n: int = 64, **flags) -> tuple[dict[str, float], Footprint]:
+    """verl's megatron actor at tp x pp on n GPUs, flags the verl offload settings."""
+    layout = Layout(n, tp, 1, flags.get("optimizer_offload", False), False, flags.get("param_offload", False))
+    settings = dict(backend="megatron", megatron_tp=tp, megatron_pp=pp, **flags)
+    return grpo_terms(replace(layout, pp=pp, megatron=True), **verl(**settings))
+
+
+@pytest.mark.parametrize("before, after", [((2, 1), (4, 1)), ((2, 2), (2, 4)), ((4, 1), (4, 2))])
+def test_megatron_parameters_gradients_and_reference_fall_by_exactly_the_growth_of_tp_pp(before, after):
+    small, _ = megatron(*before)
+    large, _ = megatron(*after)
+    assert large["actor_weights"] == small["actor_weights"] / 2 == P_8B * 2 / (2 * before[0] * before[1])
+    assert large["actor_gradients"] == small["actor_gradients"] / 2 == 2 * large["actor_weights"]  # fp32
+    assert large["reference_weights"] == large["actor_weights"]  # bf16, the actor's layout
+    # master + m + v over tp·pp·dp = N: every layout of the same N holds the same optimizer share
+    assert large["actor_optimizer"] == small["actor_optimizer"] == pytest.approx(12 * P_8B / 64)
+
+
+def test_megatron_optimizer_states_shard_over_data_parallel_groups_only():
+    at_64, _ = megatron(4, 2, n=64)
+    at_128, _ = megatron(4, 2, n=128)
+    assert at_128["actor_optimizer"] == pytest.approx(at_64["actor_optimizer"] / 2)
+    assert at_128["actor_weights"] == at_64["actor_weights"]
+    assert at_128["actor_gradients"] == at_64["actor_gradients"]  # not sharded by the optimizer
+
+
+@pytest.mark.parametrize("flag", ["param_offload", "optimizer_offload"])
+def test_megatron_offload_moves_exactly_what_verls_offload_functions_move(flag):
+    kept, fp_kept = megatron(4, 2)
+    _, fp_moved = megatron(4, 2, **{flag: True})
+    # param_offload: parameters copied to host, the gradient buffer freed; the reference's too
+    on_gpu = {
+        "param_offload": ["actor_weights", "actor_gradients", "reference_weights"],
+        "optimizer_offload": ["actor_optimizer"],
+    }[flag]
+    to_host = {
+        "param_offload": ["actor_weights", "reference_weights"],
+        "optimizer_offload": ["actor_optimizer"],
+    }
+    generation = lambda fp: fp.phase_bytes()["generation"]  # noqa: E731
+    assert generation(fp_kept) - generation(fp_moved) == pytest.approx(sum(kept[n] for n in on_gpu))
+    ranks = 4
+    moved_host = fp_moved.host_bytes() - fp_kept.host_bytes()
+    assert moved_host == pytest.approx(ranks * sum(kept[n] for n in to_host[flag]))
+    # the actor's states are loaded to train; a reference not offloaded stays on the GPU meanwhile
+    training = fp_kept.phase_bytes()["training"] - fp_moved.phase_bytes()["training"]
+    assert training == (kept["reference_weights"] if flag == "param_offload" else 0)
+
+
+def test_megatron_ranks_read_their_pipeline_stage_not_a_whole_fp32_model():
+    _, meg = megatron(4, 4)
+    fsdp = grpo_terms(Layout(gpus=64, tp=2, zero=3, recompute=True), **verl())[1]
+    loading = lambda fp: {t.name: t.bytes for t in fp.host}["loading"]  # noqa: E731
+    assert loading(meg) == 4 * (P_8B / 4) * SHAPE_8B.file_bytes  # 4 ranks a node, P/pp each
+    assert loading(fsdp) == 4 * P_8B > loading(meg)
+
+
+def test_a_megatron_layout_that_does_not_divide_the_gpus_or_layers_is_refused():
+    assert not megatron(4, 2, n=64)[1].refusals
+    assert any("tp·pp (8) does not divide 4 GPUs" in r for r in megatron(4, 2, n=4)[1].refusals)
+    assert any("pp 3 does not divide the 32 layers" in r for r in megatron(4, 3, n=96)[1].refusals)

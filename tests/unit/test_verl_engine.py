@@ -85,7 +85,17 @@ def test_70b_overrides_compose_and_pass_verls_validation_with_our_values(compose
         and theirs.trainer.save_freq == ours.checkpoint_every
     )
     assert arr.model.path == str(run.final(ours.init_from).resolve())
-    assert arr.rollout.name == "vllm" and arr.actor.strategy == "fsdp"
+    assert arr.rollout.name == "vllm" and arr.actor.strategy == ours.verl.backend == "megatron"
+    mcore = arr.actor.megatron
+    assert (mcore.tensor_model_parallel_size, mcore.pipeline_model_parallel_size) == (
+        ours.verl.megatron_tp,
+        ours.verl.megatron_pp,
+    )
+    assert (mcore.param_offload, mcore.optimizer_offload) == (
+        ours.verl.param_offload,
+        ours.verl.optimizer_offload,
+    )
+    assert arr.ref.megatron.param_offload == ours.verl.param_offload  # the reference follows the actor
     assert theirs.global_profiler.tool == "torch"
     assert Path(theirs.global_profiler.save_path).parent == run.stage(sid).resolve()
     assert Path(theirs.reward.custom_reward_function.path).is_file()
@@ -112,7 +122,9 @@ def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path)
 
 
 def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_path, capsys):
-    # 100 prompts x 8 responses do not split over 128 GPUs: verl's validate_config says so.
+    # On FSDP, 100 prompts x 8 responses do not split over 128 GPUs: verl's validate_config says so.
+    # (The shipped config's megatron layout has 8 data-parallel groups, over which any batch of
+    # 8 responses a prompt splits.)
     rc = main(
         [
             "submit",
@@ -127,6 +139,7 @@ def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_
             SHAPE_70B,
             *SMALL_DATA,
             "stage2_grpo.engine=verl",
+            "stage2_grpo.verl.backend=fsdp",
             "stage2_grpo.prompts_per_step=100",
         ]
     )
