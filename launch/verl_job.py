@@ -13,6 +13,7 @@ treats the stage like any other: done only when final/ and eval.json are there.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -22,7 +23,15 @@ import traceback
 from pathlib import Path
 
 from core.atomic import atomic_write_text
-from core.config import GRPOStage, RunConfig, SynthStage, VerlRolloutConfig, engine_of, load_resolved
+from core.config import (
+    ConfigError,
+    GRPOStage,
+    RunConfig,
+    SynthStage,
+    VerlRolloutConfig,
+    engine_of,
+    load_resolved,
+)
 from core.rundir import RunDir
 from launch.local import repo_env
 from launch.slurm_launch import run_stage_in_allocation
@@ -91,6 +100,7 @@ def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
     stage = getattr(cfg, sid)
     if engine_of(stage) == "verl" and isinstance(stage, GRPOStage):
         check_verl_stage(cfg, run, sid, nnodes, gpus_per_node)
+        check_backend_installed(stage, sid)
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
@@ -98,6 +108,32 @@ def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
     )
     check_generation(field, rollout, sampling, overrides, gpus_per_node)
+
+
+# verl 0.9.1's megatron engine builds its models with Megatron-Bridge, on Transformer Engine layers
+MEGATRON_BACKEND_PACKAGES = {"megatron.bridge": "Megatron-Bridge", "transformer_engine": "Transformer Engine"}
+
+
+def check_backend_installed(stage: GRPOStage, sid: str) -> None:
+    """The jobs run with this Python: a backend whose packages it lacks would die at import, after
+    the stages before it have run for hours."""
+    if stage.verl.backend != "megatron":
+        return
+    missing = [name for module, name in MEGATRON_BACKEND_PACKAGES.items() if not _installed(module)]
+    if missing:
+        raise ConfigError(
+            f"{sid}.verl.backend",
+            f"'megatron' needs {' and '.join(missing)} in {sys.executable}, which runs the jobs; "
+            "requirements-gpu.lock cannot install them (Megatron-Bridge 0.3.1 requires transformers<5, "
+            "vLLM 0.24.0 pins 5.9.0; Transformer Engine's torch extension has no wheel on PyPI)",
+        )
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
 
 
 def generation_of(cfg: RunConfig, sid: str) -> tuple[str, VerlRolloutConfig, Sampling]:

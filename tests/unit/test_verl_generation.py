@@ -16,6 +16,8 @@ from core.config import ConfigError, load_config
 from core.rundir import RunDir
 from launch.slurm_launch import run_stage_in_allocation
 from launch.verl_job import (
+    MEGATRON_BACKEND_PACKAGES,
+    _installed,
     check_verl_job,
     generation_of,
     generation_paths,
@@ -116,8 +118,11 @@ def submit_70b(tmp_path, *overrides):
     return main([*argv, "--run-dir", str(tmp_path / "run"), SHAPE_70B, *files, *overrides])
 
 
+ON_FSDP = [f"{sid}.verl.backend=fsdp" for sid in ("stage2_grpo", "stage4_grpo")]
+
+
 def test_the_70b_config_submits_with_ray_in_every_job_that_runs_verl(tmp_path, capsys):
-    assert submit_70b(tmp_path) == 0, capsys.readouterr().err
+    assert submit_70b(tmp_path, *ON_FSDP) == 0, capsys.readouterr().err
     for sid in ("stage1_sft", "stage3_synth", "stage3_sft"):
         script = (tmp_path / "run" / sid / "logs" / f"{sid}.sbatch").read_text()
         assert "start --head" in script and "export HPCR1_LAUNCHER=srun" in script
@@ -133,10 +138,21 @@ def test_the_70b_config_submits_with_ray_in_every_job_that_runs_verl(tmp_path, c
 def test_native_generation_of_70b_is_refused_before_anything_is_written(
     tmp_path, capsys, override, field, holds
 ):
-    rc = submit_70b(tmp_path, override)
+    rc = submit_70b(tmp_path, override, *ON_FSDP)
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert f"{field}: the native engine holds {holds} a GPU" in err and "=verl" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_grpo_on_verls_megatron_backend_is_refused_where_its_packages_are_missing(tmp_path, capsys):
+    """verl 0.9.1's megatron engine imports Megatron-Bridge and Transformer Engine in the jobs,
+    which run with the Python that submits them."""
+    if all(_installed(module) for module in MEGATRON_BACKEND_PACKAGES):
+        pytest.skip("this Python has verl's megatron backend")
+    rc = submit_70b(tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "stage2_grpo.verl.backend: 'megatron' needs" in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
 
 
