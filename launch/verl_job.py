@@ -104,7 +104,7 @@ def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
-    overrides = generation_overrides(
+    overrides = generation_overrides(  # the model is an earlier stage's, not there yet: any path composes
         Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
     )
     check_generation(field, rollout, sampling, overrides, gpus_per_node)
