@@ -97,9 +97,9 @@ ASSUMPTIONS = (
     "dividing the KV heads.",
     "vLLM (verl's rollout and generation server) refuses to start unless gmu x GPU memory, less its "
     "weights, holds the KV cache of one max_model_len sequence (vllm/v1/core/kv_cache_utils.py "
-    "check_enough_kv_cache_memory). verl 0.9.1 sets max_model_len to the model's "
-    "max_position_embeddings when rollout.max_model_len is unset, as our overrides leave it, so that "
-    "is the sequence required. vLLM's own activations and CUDA graphs also come out of its budget; "
+    "check_enough_kv_cache_memory). Our overrides set max_model_len to the longest prompt and a "
+    "whole response (unset, verl 0.9.1 passes the model's max_position_embeddings; longer than "
+    "that, vLLM refuses). vLLM's own activations and CUDA graphs also come out of its budget; "
     "they are not counted, only the weights and that minimum KV cache.",
     "Native GRPO (engine native): what analysis/native_fit.py says it holds a GPU (fp32 actor, "
     "reference and rollout), the gathered FSDP2 unit, the fp32 activations of one micro-batch and the "
@@ -299,7 +299,7 @@ def rollout_terms(
     """One vLLM instance's share of a GPU (gmu·M), the weights and the least KV cache vLLM starts
     with inside it, and why vLLM would refuse the layout."""
     P, t, gmu = m.params(), v.rollout_tp, v.gpu_memory_utilization
-    max_len = m.max_positions or v.max_prompt_length + new_tokens
+    max_len = v.max_model_len(new_tokens)  # what verl is told (stages/engines/verl_trainer.py)
     budget = Term("rollout_budget", f"gmu·M  [gmu={gmu:g}]", gmu * gpu_bytes)
     weights = Term("rollout_weights", "P·2/tp", P * BF16 / t)
     min_kv = replace(
@@ -308,6 +308,8 @@ def rollout_terms(
     refusals = []
     if gpus % t:
         refusals.append(f"rollout_tp {t} does not divide {gpus} GPUs")
+    if m.max_positions and max_len > m.max_positions:
+        refusals.append(f"max_model_len {max_len} exceeds the model's {m.max_positions} positions")
     if weights.bytes >= budget.bytes:
         refusals.append(
             f"vLLM's weights ({weights.bytes / GB:.1f} GB) exceed gmu·M ({budget.bytes / GB:.1f} GB)"

@@ -105,6 +105,12 @@ class VerlRolloutConfig(Section):
     max_prompt_length: PositiveInt = 512
     """Longest prompt in tokens, chat template included; a longer prompt is an error, not truncated."""
 
+    def max_model_len(self, max_new_tokens: int) -> int:
+        """The longest sequence the engine must hold, as verl is told it: unset, verl passes the
+        model's max_position_embeddings (131072 for Llama 3.1), and vLLM will not start unless one
+        sequence that long fits its KV cache beside the weights."""
+        return self.max_prompt_length + max_new_tokens
+
 
 class EvalConfig(Section):
     num_examples: PositiveInt = 200

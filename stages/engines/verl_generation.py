@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ConfigError, VerlRolloutConfig
-from stages.engines.verl_trainer import compose_verl_config, hydra_value, max_model_len
+from stages.engines.verl_trainer import compose_verl_config, hydra_value
 
 MODULE = "verl.trainer.main_generation_server"
 RESPONSES = "responses"  # the column main_generation_server adds to the prompt rows
@@ -61,7 +61,7 @@ def generation_overrides(
         "actor_rollout_ref.rollout.top_p": sampling.top_p,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": rollout.rollout_tp,
         "actor_rollout_ref.rollout.gpu_memory_utilization": rollout.gpu_memory_utilization,
-        "actor_rollout_ref.rollout.max_model_len": max_model_len(rollout, sampling.max_new_tokens),
+        "actor_rollout_ref.rollout.max_model_len": rollout.max_model_len(sampling.max_new_tokens),
         "trainer.nnodes": nnodes,
         "trainer.n_gpus_per_node": gpus_per_node,
     }

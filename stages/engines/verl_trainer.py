@@ -79,7 +79,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "actor_rollout_ref.rollout.seed": cfg.seed,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": v.rollout_tp,
         "actor_rollout_ref.rollout.gpu_memory_utilization": v.gpu_memory_utilization,
-        "actor_rollout_ref.rollout.max_model_len": max_model_len(v, s.max_new_tokens),
+        "actor_rollout_ref.rollout.max_model_len": v.max_model_len(s.max_new_tokens),
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
         "reward.custom_reward_function.path": REWARD_MODULE,
@@ -104,13 +104,6 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         **profiler_overrides(cfg, s, paths["traces"]),
     }
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
-
-
-def max_model_len(rollout, max_new_tokens: int) -> int:
-    """The longest sequence the rollout engine must hold: left unset, verl gives vLLM the model's
-    max_position_embeddings (131072 for Llama 3.1), and vLLM refuses to start unless one sequence
-    that long fits its KV cache beside the weights."""
-    return rollout.max_prompt_length + max_new_tokens
 
 
 def backend_overrides(s: GRPOStage) -> dict:

@@ -283,14 +283,26 @@ def test_a_rollout_whose_weights_exceed_its_gmu_share_does_not_fit():
 
 
 def test_vllm_needs_one_max_model_len_sequence_of_kv_beside_its_weights():
-    shape = SHAPE_8B
-    assert shape.max_positions == 131072
-    kv = 2 * shape.layers * shape.kv_width * 2 * 131072  # bf16 keys and values of one sequence
+    """max_model_len is what verl is told: the longest prompt and a whole response."""
+    shape, prompt, response = SHAPE_8B, 4096, 28000
+    tokens = prompt + response
+    kv = 2 * shape.layers * shape.kv_width * 2 * tokens  # bf16 keys and values of one sequence
     gmu = (2 * P_8B + kv / 2) / (40 * GIB)  # exactly enough on one GPU for half the sequence's KV
+    layout = Layout(gpus=8, tp=1, zero=3, recompute=True)
+    settings = dict(rollout_tp=1, gpu_memory_utilization=gmu, max_prompt_length=prompt)
+    _, fp = grpo_terms(layout, max_new_tokens=response, **verl(**settings))
+    assert fp.refusals and f"one {tokens}-token max_model_len" in fp.refusals[0]
+    _, half = grpo_terms(layout, max_new_tokens=response // 2 - prompt, **verl(**settings))
+    assert not any("max_model_len" in r for r in half.refusals)
+
+
+def test_a_max_model_len_beyond_the_models_positions_is_refused():
     _, fp = grpo_terms(
-        Layout(gpus=8, tp=1, zero=3, recompute=True), **verl(rollout_tp=1, gpu_memory_utilization=gmu)
+        Layout(gpus=8, tp=1, zero=3, recompute=True),
+        max_new_tokens=131072,
+        **verl(rollout_tp=1, gpu_memory_utilization=0.9),
     )
-    assert fp.refusals and "max_model_len" in fp.refusals[0]
+    assert any("exceeds the model's 131072 positions" in r for r in fp.refusals)
 
 
 def test_native_eval_of_sft_is_a_phase_of_its_own_holding_the_whole_model():
