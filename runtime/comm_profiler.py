@@ -274,6 +274,11 @@ class CommProfiler:
         label, size_arg, pg_arg, peer_arg = C10D_OPS[name]
         names = [a.name for a in op._schema.arguments]
         async_arg = names.index("async_op") if "async_op" in names else None
+        # A boxed call drops trailing arguments equal to their defaults: absent means the schema's
+        # default (True: ProcessGroup's own calls are async unless the caller asked otherwise).
+        async_default = (
+            bool(op._schema.arguments[async_arg].default_value) if async_arg is not None else False
+        )
         call = op._op  # the C++ entry point, without OpOverload's Python-side checks
 
         def kernel(*args):
@@ -283,7 +288,11 @@ class CommProfiler:
                 size = nbytes(sized) * (len(ranks) if label in PER_RANK_PIECE else 1)
                 tensor = first_tensor(sized)
                 peer = ranks[args[peer_arg]] if peer_arg is not None else None
-                is_async = bool(args[async_arg]) if async_arg is not None and async_arg < len(args) else False
+                is_async = (
+                    bool(args[async_arg])
+                    if async_arg is not None and async_arg < len(args)
+                    else async_default
+                )
                 event = self.record(
                     label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async
                 )

@@ -164,3 +164,20 @@ def test_commbench_writes_latency_and_bus_bandwidth_per_op_and_size(tmp_path):
             assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["latency_us"] * 1e-6) / 1e9)
             factor = {"all_reduce": 1.0, "broadcast": 1.0, "send_recv": 1.0}.get(op, 0.5)
             assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+
+
+def test_async_op_is_recorded_as_the_caller_made_the_call(ops_run):
+    """c10d's schemas default async_op to True and a boxed call drops arguments equal to their
+    defaults: an absent async_op is an async call (the profiler used to read it as synchronous)."""
+    events, _ = ops_run
+    flags: dict[tuple[str, str], set[bool]] = {}
+    for e in events:
+        flags.setdefault((e["phase"], e["op"]), set()).add(e["async_op"])
+    assert flags["all_reduce", "all_reduce"] == {False}
+    assert flags["broadcast", "broadcast"] == {False}
+    assert flags["all_reduce_async", "all_reduce"] == {True}
+    assert flags["functional_all_reduce", "all_reduce"] == {True}
+    assert flags["ddp", "all_reduce"] == {True}  # DDP's bucketed gradient all-reduce
+    # FSDP2 makes both calls with async_op=False (unshard_async_op defaults to False): on GPUs it
+    # overlaps them through its own CUDA streams instead
+    assert flags["fsdp2", "reduce_scatter"] == flags["fsdp2", "all_gather"] == {False}
