@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.config import ConfigError, VerlRolloutConfig
-from stages.engines.verl_trainer import compose_verl_config, hydra_value
+from stages.engines.verl_trainer import check_rollout_gpus, compose_verl_config, hydra_value
 
 MODULE = "verl.trainer.main_generation_server"
 RESPONSES = "responses"  # the column main_generation_server adds to the prompt rows
@@ -73,16 +73,7 @@ def check_generation(
 ) -> None:
     """What main_generation_server would refuse once its Ray cluster is up, said before submission;
     `field` is the config section whose `verl` settings these are (e.g. stage3_synth)."""
-    if gpus_per_node < 1:
-        raise ConfigError(
-            "--cluster",
-            f"{field} generates on verl, which needs GPUs: the cluster profile has gpus_per_node 0",
-        )
-    if gpus_per_node % rollout.rollout_tp:
-        raise ConfigError(
-            f"{field}.verl.rollout_tp",
-            f"{rollout.rollout_tp} does not divide the {gpus_per_node} GPUs of a node",
-        )
+    check_rollout_gpus(field, rollout.rollout_tp, gpus_per_node)
     from verl.utils.config import omega_conf_to_dataclass
 
     try:

@@ -216,19 +216,24 @@ _FIELD_OF = (
 )
 
 
-def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
-    """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
-    s: GRPOStage = getattr(cfg, sid)
+def check_rollout_gpus(section: str, rollout_tp: int, gpus_per_node: int) -> None:
+    """verl's rollout engines need GPUs, and one instance spans `rollout_tp` GPUs of a node;
+    `section` is the config section whose `verl` settings these are."""
     if gpus_per_node < 1:
         raise ConfigError(
             "--cluster",
-            f"{sid} uses engine 'verl', which needs GPUs: the cluster profile has gpus_per_node 0",
+            f"{section} runs on verl, which needs GPUs: the cluster profile has gpus_per_node 0",
         )
-    if gpus_per_node % s.verl.rollout_tp:
+    if gpus_per_node % rollout_tp:
         raise ConfigError(
-            f"{sid}.verl.rollout_tp",
-            f"{s.verl.rollout_tp} does not divide the {gpus_per_node} GPUs of a node",
+            f"{section}.verl.rollout_tp", f"{rollout_tp} does not divide the {gpus_per_node} GPUs of a node"
         )
+
+
+def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
+    """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
+    s: GRPOStage = getattr(cfg, sid)
+    check_rollout_gpus(sid, s.verl.rollout_tp, gpus_per_node)
     overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
     try:
         validate_verl_config(compose_verl_config(overrides))
