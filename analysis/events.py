@@ -10,7 +10,10 @@ PHASE_TIME_PREFIX = "phase_time/"
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The file's rows; a last line without its newline is a write cut short by a kill and is left out."""
+    text = path.read_text()
+    complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def stage_dirs(run_dir: Path) -> list[Path]:

@@ -330,6 +330,9 @@ class SynthStage(Section):
 class ProfileConfig(Section):
     comm: bool = True
     """Record every collective and point-to-point call per rank into <stage>/profile/."""
+    flush_every_s: float = Field(2.0, gt=0)
+    """Seconds between appends of the recorded calls to the rank's file: what a rank killed without
+    warning (SIGKILL, OOM, time limit) loses at most."""
 
 
 class WandbConfig(Section):

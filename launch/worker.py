@@ -75,7 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     install_handlers()
     attempt = Manifest(run.root).stage(stage_id)["attempts"]
-    profiler = CommProfiler(run.profile(stage_id), stage_id, info.rank, attempt) if cfg.profile.comm else None
+    profiler = (
+        CommProfiler(run.profile(stage_id), stage_id, info.rank, attempt, cfg.profile.flush_every_s)
+        if cfg.profile.comm
+        else None
+    )
     ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal, profiler=profiler)
     preempted = False
     try:

@@ -23,6 +23,10 @@ times at flush.
 
 Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
 they are as good as the nodes' clock synchronisation.
+
+Events reach the rank's file as the stage goes: a thread appends the completed ones every
+`flush_every_s`, so a rank killed without warning (SIGKILL, the OOM killer, a time limit) loses at
+most that interval. Calls never seen to complete are kept back, up to MAX_PENDING of them.
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ FIELDS = (
     "attempt",
 )
 T_WAIT = FIELDS.index("t_wait")
+T_END = FIELDS.index("t_end")
+# Pending calls kept back for their completion; beyond that the oldest are written with t_end null
+# (gloo Works nobody waits on would otherwise grow the buffer for the whole stage).
+MAX_PENDING = 10_000
 DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 
 _active: CommProfiler | None = None
@@ -146,10 +154,14 @@ class CommProfiler:
             prof.flush()   # optional: writes what has completed so far
     """
 
-    def __init__(self, out_dir: Path, stage: str, rank: int, attempt: int = 1):
+    def __init__(self, out_dir: Path, stage: str, rank: int, attempt: int = 1, flush_every_s: float = 2.0):
         self.path = Path(out_dir) / f"rank-{rank:05d}.jsonl"
         self.stage, self.rank, self.attempt, self.step = stage, rank, attempt, 0
         self.events: list[list] = []  # rows in FIELDS order, t_end filled in on completion
+        self.flush_every_s = flush_every_s
+        self._lock = threading.Lock()  # the flusher thread swaps `events` while ranks record
+        self._stopping = threading.Event()
+        self._flusher: threading.Thread | None = None
         self._seq: dict[tuple, int] = {}
         self._groups: dict[str, tuple[tuple[int, ...], str]] = {}
         self._libs: list[torch.library.Library] = []
@@ -179,7 +191,14 @@ class CommProfiler:
             self._register(self._libs[1], "_c10d_functional", name, self._functional_kernel)
         Work.wait = _wait_and_stamp
         tag_library_callers()
+        self._stopping.clear()
+        self._flusher = threading.Thread(target=self._flush_periodically, name="comm-flush", daemon=True)
+        self._flusher.start()
         return self
+
+    def _flush_periodically(self) -> None:
+        while not self._stopping.wait(self.flush_every_s):
+            self.flush()
 
     def _register(self, lib, namespace: str, name: str, kernel_factory) -> None:
         ops = getattr(torch.ops, namespace)
@@ -195,27 +214,37 @@ class CommProfiler:
         self.step = step
         tag_library_callers()  # DeepSpeed may have been imported after start()
 
-    def flush(self) -> None:
-        """Append the completed events to the rank's file (pending ones wait for the next flush)."""
-        self._resolve_cuda_times()
-        done = [e for e in self.events if e[12] is not None]
-        self.events = [e for e in self.events if e[12] is None]
-        self._write(done)
+    def flush(self, everything: bool = False) -> None:
+        """Append the completed events to the rank's file; pending ones wait for a later flush,
+        unless `everything` (the end: never seen to complete, their t_end stays null) or there are
+        more than MAX_PENDING of them."""
+        with self._lock:
+            self._resolve_cuda_times(block=everything)
+            done, pending = [], []
+            for e in self.events:
+                (pending if completion_unknown(e) and not everything else done).append(e)
+            overflow = max(0, len(pending) - MAX_PENDING)
+            self.events = pending[overflow:]
+            self._write(done + pending[:overflow])
 
     def _write(self, events: list[list]) -> None:
+        # One write call of whole lines: a kill mid-write leaves at most one partial last line.
+        text = "".join(json.dumps(dict(zip(FIELDS, e)), default=_unresolved) + "\n" for e in events)
         with open(self.path, "a") as f:
-            f.writelines(json.dumps(dict(zip(FIELDS, e))) + "\n" for e in events)
+            f.write(text)
 
     def stop(self) -> None:
         global _active
+        self._stopping.set()
+        if self._flusher is not None:
+            self._flusher.join()
+            self._flusher = None
         for lib in self._libs:
             lib._destroy()
         self._libs = []
         _active = None
         Work.wait = _original_wait
-        self.flush()
-        self._write(self.events)  # never completed as far as we could see: t_end stays null
-        self.events = []
+        self.flush(everything=True)
 
     def __enter__(self) -> CommProfiler:
         return self.start()
@@ -259,7 +288,8 @@ class CommProfiler:
             None,
             self.attempt,
         ]
-        self.events.append(event)
+        with self._lock:
+            self.events.append(event)
         return event
 
     def _group(self, pg) -> tuple[tuple[int, ...], str]:
@@ -312,7 +342,7 @@ class CommProfiler:
                         event[T_WAIT] = time.time()
                     out = op(tensor)
                     if event is not None:
-                        event[12] = time.time()
+                        event[T_END] = time.time()
                     return out
 
             return wait
@@ -339,7 +369,7 @@ class CommProfiler:
                 if result is not None:  # completes when someone waits on the result
                     self._pending_functional[result.data_ptr()] = event
                 else:
-                    event[12] = time.time()
+                    event[T_END] = time.time()
                 return out
 
         return kernel
@@ -351,9 +381,9 @@ class CommProfiler:
             if on_cuda:  # runs with the current stream waiting on the collective (see module doc)
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                event[12] = end
+                event[T_END] = end
             else:
-                event[12] = time.time()
+                event[T_END] = time.time()
 
         if isinstance(work, torch.ScriptObject):
             work = dist.distributed_c10d.Work.unbox(work)
@@ -373,16 +403,17 @@ class CommProfiler:
         gives some Works no kind (OpType UNKNOWN), and then the oldest unfinished call is taken.)"""
         kind = label_key(str(work._get_op_type()).rsplit(".", 1)[-1])
         index = next((i for i, (key, _) in enumerate(self._unfinished) if key in kind), 0)
-        self._unfinished.pop(index)[1][12] = time.time()
+        self._unfinished.pop(index)[1][T_END] = time.time()
 
-    def _resolve_cuda_times(self) -> None:
+    def _resolve_cuda_times(self, block: bool) -> None:
+        """CUDA events to wall-clock seconds: those the GPU has reached, or all of them (`block`)."""
         if self._cuda_clock is None:
             return
         wall0, ref = self._cuda_clock
         for e in self.events:
-            if isinstance(e[12], torch.cuda.Event):
-                e[12].synchronize()
-                e[12] = wall0 + ref.elapsed_time(e[12]) / 1e3
+            if isinstance(e[T_END], torch.cuda.Event) and (block or e[T_END].query()):
+                e[T_END].synchronize()
+                e[T_END] = wall0 + ref.elapsed_time(e[T_END]) / 1e3
 
 
 Work = dist.distributed_c10d.Work
@@ -394,6 +425,17 @@ def _wait_and_stamp(work, *args, **kwargs):
     if _active is not None and _active._unfinished:
         _active._stamp_waited(work)
     return out
+
+
+def completion_unknown(event: list) -> bool:
+    return event[T_END] is None or isinstance(event[T_END], torch.cuda.Event)
+
+
+def _unresolved(value):
+    """JSON for a completion time the GPU never reached before the event had to be written."""
+    if isinstance(value, torch.cuda.Event):
+        return None
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def label_key(name: str) -> str:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from runtime.comm_profiler import active_profiler
+from runtime.comm_profiler import T_END, active_profiler
 
 # method -> (op name, index of the peer argument or None)
 BUFFER_CALLS = {
@@ -99,7 +99,7 @@ class ProfiledComm:
             out = call(*args, **kwargs)
             if objects and op in ("recv", "broadcast"):  # what arrived, not what this rank passed in
                 event[5] = pickled_size(out)
-            event[12] = time.time()
+            event[T_END] = time.time()
             return out
 
         return run

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from analysis.breakdown import summarise_stage
-from analysis.events import load_events
-from tests.conftest import REPO, run_torchrun
+from analysis.events import load_events, read_jsonl
+from tests.conftest import REPO, SMALL_RUN, hpcr1_run, run_torchrun
 
 pytestmark = pytest.mark.dist
 WORKERS = Path(__file__).parent / "workers"
@@ -181,3 +183,29 @@ def test_async_op_is_recorded_as_the_caller_made_the_call(ops_run):
     # FSDP2 makes both calls with async_op=False (unshard_async_op defaults to False): on GPUs it
     # overlaps them through its own CUDA streams instead
     assert flags["fsdp2", "reduce_scatter"] == flags["fsdp2", "all_gather"] == {False}
+
+
+def test_a_stage_killed_without_warning_keeps_its_calls_up_to_the_last_flush(tmp_path):
+    """SIGKILL leaves no chance to write anything: what the profile holds is what the flusher
+    thread appended while the stage ran, up to `profile.flush_every_s` before the kill."""
+    config = {**SMALL_RUN, "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 2000, "checkpoint_every": 1000}}
+    run_dir = tmp_path / "killed"
+    proc = hpcr1_run(run_dir, "profile.flush_every_s=1", config=config, wait=False)
+    metrics = run_dir / "stage1_sft" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and len(read_jsonl(metrics) if metrics.exists() else []) < 20:
+        time.sleep(0.1)
+    time.sleep(3)  # several flushes into the steps
+    os.killpg(proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    proc.wait()
+    steps_logged = len(read_jsonl(metrics))
+    assert 20 <= steps_logged < 2000, "the stage never got going, or finished before the kill"
+
+    for rank in (0, 1):
+        events = read_jsonl(run_dir / "stage1_sft" / "profile" / f"rank-{rank:05d}.jsonl")
+        last = max(e["t_start"] for e in events)
+        assert last >= killed_at - 1 - 1.5, f"rank {rank}: last call kept {killed_at - last:.1f} s before the kill"
+        # The steps the profile covers reach the last ones metrics.jsonl logged (a 1 s interval is
+        # several steps of this model, so allow for those).
+        assert max(e["step"] for e in events) >= steps_logged - 30
