@@ -14,7 +14,7 @@ from pathlib import Path
 
 from analysis.bandwidth import bus_bandwidth
 from analysis.events import load_events, load_phase_times
-from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
+from analysis.matching import MatchedCall, arrival, match_calls, straggler_counts, wait_by_rank
 from analysis.overlap import length, overlap_fraction
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
@@ -25,7 +25,8 @@ def top_phase(phase: str) -> str:
 
 
 def duration(e: dict) -> float:
-    return max(0.0, e["t_end"] - e["t_start"])
+    """Seconds in the call: on CUDA from when its stream reached it, the GPU queue ahead left out."""
+    return max(0.0, e["t_end"] - arrival(e))
 
 
 @dataclass

@@ -34,6 +34,7 @@ def load_events(stage_dir: Path) -> list[dict]:
             e.setdefault("async_op", False)
             e.setdefault("t_wait", None)  # profiles written before the field existed
             e.setdefault("attempt", 1)
+            e.setdefault("t_ready", None)
             events.append(e)
     last = {}
     for e in events:

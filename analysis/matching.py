@@ -1,9 +1,11 @@
 """Matching one collective across the ranks that took part, by (group_ranks, op, attempt, seq): seq
 counts a (group, op)'s calls from the start of each attempt of the stage.
 
-For a matched call, the rank that arrives last (latest t_start) is the straggler: the others wait
-for it. Wait on rank r = latest t_start - t_start on r; transfer time = earliest t_end - latest
-t_start (once everyone is there, the data moves). This differs from "t_end minus the earliest t_end"
+For a matched call, the rank that arrives last is the straggler: the others wait for it. A rank
+arrives when its stream reaches the call (t_ready, on CUDA: the host enqueues ahead of the GPU, so
+t_start says little there), else when it makes the call (t_start). Wait on rank r = latest arrival -
+arrival on r; transfer time = earliest t_end - latest arrival (once everyone is there, the data
+moves). This differs from "t_end minus the earliest t_end"
 on purpose: a collective completes at about the same moment everywhere, so completion skew hides who
 waited; arrival skew shows it.
 """
@@ -27,18 +29,22 @@ class MatchedCall:
 
     @property
     def last_arrival(self) -> float:
-        return max(e["t_start"] for e in self.events.values())
+        return max(map(arrival, self.events.values()))
 
     @property
     def slow_rank(self) -> int:
-        return max(self.events, key=lambda r: self.events[r]["t_start"])
+        return max(self.events, key=lambda r: arrival(self.events[r]))
 
     def wait(self, rank: int) -> float:
-        return self.last_arrival - self.events[rank]["t_start"]
+        return self.last_arrival - arrival(self.events[rank])
 
     @property
     def transfer_s(self) -> float:
         return max(0.0, min(e["t_end"] for e in self.events.values()) - self.last_arrival)
+
+
+def arrival(event: dict) -> float:
+    return event["t_start"] if event.get("t_ready") is None else event["t_ready"]
 
 
 def match_calls(events: list[dict]) -> list[MatchedCall]:

@@ -6,20 +6,29 @@ Why the dispatcher and not patched `torch.distributed` functions: every c10d cal
 dispatcher op (`c10d::allreduce_`, ...; even DDP's reducer and ProcessGroup's C++ methods go through
 them), whereas patched functions miss callers that imported the function object before the patch
 and everything issued from C++. A TorchDispatchMode would also see them, but it runs Python on every
-aten op of the step. So `start()` registers a Python kernel for the c10d ops alone, at the Autograd
-dispatch keys (always in a dense tensor's key set, and unused by these ops): it notes the call and
-re-dispatches below autograd to the real backend kernel. Only the communication calls pay.
+aten op of the step. So `start()` registers a Python kernel for the c10d ops alone, at the
+BackendSelect dispatch key: every dispatch passes it whatever the device, with autograd on, off or
+in inference mode (which skips the Autograd keys), and no c10d op has a kernel of its own there. The
+kernel notes the call and redispatches straight to the backend kernel. Only the communication calls
+pay.
 
-Functional collectives (`_c10d_functional::*`, used by DTensor and compiled code) call the c10d ops
-from inside an op that already runs below autograd, so the inner call is invisible here; they are
-recorded at their own level instead (completion observed at `wait_tensor`), and never twice.
+Functional collectives (`_c10d_functional::*`, used by DTensor and compiled code) are recorded at
+their own level (completion observed at `wait_tensor`); the c10d calls they make inside are not
+recorded again.
 
 Completion: the backend's Work future; its callback stamps `t_end` (gloo runs it when the transfer
 is done). Gloo's send/recv/reduce_scatter Works have no future: they are stamped when a Python
-`Work.wait()` of their kind returns (torch.distributed's synchronous calls wait at once). On CUDA
-the future completes at enqueue, but its callback runs with the current stream made to wait for the
-collective, so a CUDA event recorded there marks the GPU-side end; events are turned into wall-clock
-times at flush.
+`Work.wait()` on that very Work returns (torch.distributed's synchronous calls wait at once); a
+Work nobody waits on leaves its call's t_end null. NCCL's coalesced calls (`batch_isend_irecv`, a
+`_coalescing_manager` block) complete with the Work that ends the block.
+
+On CUDA three moments are kept apart: `t_start`, when the host enqueued the call; `t_ready`, when
+the stream that issued it reached it (a CUDA event recorded just before: the collective's own
+stream waits for that point, so the difference is the GPU work queued ahead of the call); and
+`t_end`, a CUDA event recorded where the issuing stream has been made to wait for the collective
+(the future's callback, or after `wait_tensor`). Across ranks, the spread of `t_ready` is waiting
+for the peers and what follows the last one is the transfer (analysis/matching.py). CUDA events are
+turned into wall-clock times when written.
 
 Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
 they are as good as the nodes' clock synchronisation.
@@ -48,6 +57,7 @@ from runtime.phases import current_phase
 # from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once); and
 # attempt: the stage's attempt (manifest) whose ranks made the call. Every attempt appends to the same
 # file, so steps an attempt redoes after a crash are recorded twice; the reader keeps the last.
+# t_ready: on CUDA, when the issuing stream reached the call (module doc); null elsewhere.
 FIELDS = (
     "stage",
     "step",
@@ -67,16 +77,24 @@ FIELDS = (
     "async_op",
     "t_wait",
     "attempt",
+    "t_ready",
 )
 T_WAIT = FIELDS.index("t_wait")
 T_END = FIELDS.index("t_end")
+T_READY = FIELDS.index("t_ready")
+TIMES = (T_END, T_READY)
 # Pending calls kept back for their completion; beyond that the oldest are written with t_end null
 # (gloo Works nobody waits on would otherwise grow the buffer for the whole stage).
 MAX_PENDING = 10_000
-DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
+BELOW_BACKEND_SELECT = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.BackendSelect)
+# Gloo Works held for a Python wait() to find (holding one keeps its tensors): beyond this many, the
+# oldest are let go and their calls' t_end stays null.
+MAX_UNWAITED = 1_000
 
 _active: CommProfiler | None = None
-_caller = threading.local()  # .source: set while a library's own comm API (deepspeed.comm) is on the stack
+# .source: set while a library's own comm API (deepspeed.comm) is on the stack; .in_functional: while a
+# functional collective runs (its inner c10d call is not a call of its own).
+_caller = threading.local()
 
 
 def nbytes(x) -> int:
@@ -167,7 +185,8 @@ class CommProfiler:
         self._libs: list[torch.library.Library] = []
         self._cuda_clock: tuple[float, torch.cuda.Event] | None = None
         self._pending_functional: dict[int, list] = {}
-        self._unfinished: list[tuple[str, list]] = []  # (op kind, event) of calls whose Work has no future
+        self._unwaited: dict[int, tuple[object, list]] = {}  # id(Work) -> (Work, event): no future
+        self._coalescing: list[list[list]] = []  # events of each open NCCL coalescing block
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> CommProfiler:
@@ -190,6 +209,7 @@ class CommProfiler:
         for name in [*FUNCTIONAL_OPS, "wait_tensor"]:
             self._register(self._libs[1], "_c10d_functional", name, self._functional_kernel)
         Work.wait = _wait_and_stamp
+        ProcessGroup._start_coalescing, ProcessGroup._end_coalescing = _start_coalescing, _end_coalescing
         tag_library_callers()
         self._stopping.clear()
         self._flusher = threading.Thread(target=self._flush_periodically, name="comm-flush", daemon=True)
@@ -207,8 +227,7 @@ class CommProfiler:
         op = getattr(ops, name).default
         kernel = kernel_factory(name, op)
         kernel.__name__ = f"hpcr1_profiled_{name}"
-        for key in DISPATCH_KEYS:
-            lib.impl(name, kernel, key)
+        lib.impl(name, kernel, "BackendSelect")
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -244,6 +263,7 @@ class CommProfiler:
         self._libs = []
         _active = None
         Work.wait = _original_wait
+        ProcessGroup._start_coalescing, ProcessGroup._end_coalescing = _original_coalescing
         self.flush(everything=True)
 
     def __enter__(self) -> CommProfiler:
@@ -287,9 +307,12 @@ class CommProfiler:
             async_op,
             None,
             self.attempt,
+            None,
         ]
         with self._lock:
             self.events.append(event)
+        if self._coalescing:
+            self._coalescing[-1].append(event)
         return event
 
     def _group(self, pg) -> tuple[tuple[int, ...], str]:
@@ -309,26 +332,26 @@ class CommProfiler:
         async_default = (
             bool(op._schema.arguments[async_arg].default_value) if async_arg is not None else False
         )
-        call = op._op  # the C++ entry point, without OpOverload's Python-side checks
 
         def kernel(*args):
-            with torch._C._AutoDispatchBelowAutograd():
-                ranks, backend = self._group(args[pg_arg])
-                sized = args[size_arg] if size_arg is not None else ()
-                size = nbytes(sized) * (len(ranks) if label in PER_RANK_PIECE else 1)
-                tensor = first_tensor(sized)
-                peer = ranks[args[peer_arg]] if peer_arg is not None else None
-                is_async = (
-                    bool(args[async_arg])
-                    if async_arg is not None and async_arg < len(args)
-                    else async_default
-                )
-                event = self.record(
-                    label, size, dtype_name(tensor), ranks, peer, backend, source_name(), is_async
-                )
-                out = call(*args)
-                self._on_completion(out[1] if isinstance(out, tuple) else out, event, tensor)
-                return out
+            tensor = first_tensor(args)
+            below = torch._C._dispatch_keys(tensor) & BELOW_BACKEND_SELECT
+            if getattr(_caller, "in_functional", False):
+                return op.redispatch(below, *args)
+            ranks, backend = self._group(args[pg_arg])
+            sized = args[size_arg] if size_arg is not None else ()
+            size = nbytes(sized) * (len(ranks) if label in PER_RANK_PIECE else 1)
+            peer = ranks[args[peer_arg]] if peer_arg is not None else None
+            is_async = (
+                bool(args[async_arg]) if async_arg is not None and async_arg < len(args) else async_default
+            )
+            moved = first_tensor(sized) if size_arg is not None else tensor
+            event = self.record(label, size, dtype_name(moved), ranks, peer, backend, source_name(), is_async)
+            on_cuda = self._mark_ready(event, tensor)
+            out = op.redispatch(below, *args)
+            if not self._coalescing:  # inside a block, the Work that ends the block completes the call
+                self._on_completion(out[1] if isinstance(out, tuple) else out, event, on_cuda)
+            return out
 
         return kernel
 
@@ -336,54 +359,59 @@ class CommProfiler:
         if name == "wait_tensor":
 
             def wait(tensor):
-                with torch._C._AutoDispatchBelowAutograd():
-                    event = self._pending_functional.pop(tensor.data_ptr(), None)
-                    if event is not None:
-                        event[T_WAIT] = time.time()
-                    out = op(tensor)
-                    if event is not None:
-                        event[T_END] = time.time()
-                    return out
+                event = self._pending_functional.pop(tensor.data_ptr(), None)
+                if event is not None:
+                    event[T_WAIT] = time.time()
+                out = op.redispatch(torch._C._dispatch_keys(tensor) & BELOW_BACKEND_SELECT, tensor)
+                if event is not None:  # on CUDA, where the current stream has been made to wait
+                    event[T_END] = self._now(tensor.is_cuda)
+                return out
 
             return wait
 
         label, group_arg, peer_arg, times_group = FUNCTIONAL_OPS[name]
 
         def kernel(*args, **kwargs):
-            with torch._C._AutoDispatchBelowAutograd():
-                ranks, backend = self._group(dist.distributed_c10d._resolve_process_group(args[group_arg]))
-                size = nbytes(args[0]) * (len(ranks) if times_group else 1)
-                peer = ranks[args[peer_arg]] if peer_arg is not None else None
-                event = self.record(
-                    label,
-                    size,
-                    dtype_name(first_tensor(args[0])),
-                    ranks,
-                    peer,
-                    backend,
-                    source_name(),
-                    async_op=True,
-                )
-                out = op(*args, **kwargs)
-                result = first_tensor(out)
-                if result is not None:  # completes when someone waits on the result
-                    self._pending_functional[result.data_ptr()] = event
-                else:
-                    event[T_END] = time.time()
-                return out
+            tensor = first_tensor(args[0])
+            ranks, backend = self._group(dist.distributed_c10d._resolve_process_group(args[group_arg]))
+            size = nbytes(args[0]) * (len(ranks) if times_group else 1)
+            peer = ranks[args[peer_arg]] if peer_arg is not None else None
+            event = self.record(
+                label, size, dtype_name(tensor), ranks, peer, backend, source_name(), async_op=True
+            )
+            on_cuda = self._mark_ready(event, tensor)
+            _caller.in_functional = True
+            try:
+                out = op.redispatch(torch._C._dispatch_keys(tensor) & BELOW_BACKEND_SELECT, *args, **kwargs)
+            finally:
+                _caller.in_functional = False
+            result = first_tensor(out)
+            if result is not None:  # completes when someone waits on the result
+                self._pending_functional[result.data_ptr()] = event
+            else:
+                event[T_END] = self._now(on_cuda)
+            return out
 
         return kernel
 
-    def _on_completion(self, work, event: list, tensor: torch.Tensor | None) -> None:
+    def _mark_ready(self, event: list, tensor: torch.Tensor | None) -> bool:
+        """On CUDA, note when the issuing stream reaches the call; returns whether it is on CUDA."""
         on_cuda = tensor is not None and tensor.is_cuda and self._cuda_clock is not None
+        if on_cuda:
+            event[T_READY] = self._now(True)
+        return on_cuda
 
-        def done(_fut):
-            if on_cuda:  # runs with the current stream waiting on the collective (see module doc)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                event[T_END] = end
-            else:
-                event[T_END] = time.time()
+    def _now(self, on_cuda: bool):
+        """Now on the host, or (on CUDA) a timing event at this point of the current stream."""
+        if not (on_cuda and self._cuda_clock is not None):
+            return time.time()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def _on_completion(self, work, event: list, on_cuda: bool) -> None:
+        def done(_fut):  # on CUDA this runs with the current stream waiting on the collective
+            event[T_END] = self._now(on_cuda)
 
         if isinstance(work, torch.ScriptObject):
             work = dist.distributed_c10d.Work.unbox(work)
@@ -393,17 +421,33 @@ class CommProfiler:
         try:
             future = work.get_future()
         except RuntimeError:  # gloo's send/recv/reduce_scatter have no future: stamped when waited on
-            self._unfinished.append((label_key(event[4]), event))
+            self._hold_for_wait(work, event)
             return
         future.then(done)
 
+    def _hold_for_wait(self, work, event: list) -> None:
+        """Keep the Work: pybind hands the caller this same Python object for it while it lives, so
+        the caller's wait() can be matched by identity (not by kind, which gloo leaves UNKNOWN)."""
+        self._unwaited[id(work)] = (work, event)
+        if len(self._unwaited) > MAX_UNWAITED:
+            del self._unwaited[next(iter(self._unwaited))]
+
     def _stamp_waited(self, work) -> None:
-        """A Python `Work.wait()` returned: the oldest unfinished call of its kind is complete. (The
-        caller's Work is another Python object than ours, so kinds, not identities, are matched; gloo
-        gives some Works no kind (OpType UNKNOWN), and then the oldest unfinished call is taken.)"""
-        kind = label_key(str(work._get_op_type()).rsplit(".", 1)[-1])
-        index = next((i for i, (key, _) in enumerate(self._unfinished) if key in kind), 0)
-        self._unfinished.pop(index)[1][T_END] = time.time()
+        """A Python `Work.wait()` returned: if it is a Work held for it, its call is complete."""
+        held = self._unwaited.get(id(work))
+        if held is not None and held[0] is work:
+            del self._unwaited[id(work)]
+            held[1][T_END] = time.time()
+
+    def start_coalescing(self) -> None:
+        self._coalescing.append([])
+
+    def end_coalescing(self, work, device: torch.device) -> None:
+        """The Work that ends an NCCL coalescing block completes every call made inside it."""
+        events = self._coalescing.pop() if self._coalescing else []
+        on_cuda = device.type == "cuda" and self._cuda_clock is not None
+        for event in events:
+            self._on_completion(work, event, on_cuda)
 
     def _resolve_cuda_times(self, block: bool) -> None:
         """CUDA events to wall-clock seconds: those the GPU has reached, or all of them (`block`)."""
@@ -411,9 +455,10 @@ class CommProfiler:
             return
         wall0, ref = self._cuda_clock
         for e in self.events:
-            if isinstance(e[T_END], torch.cuda.Event) and (block or e[T_END].query()):
-                e[T_END].synchronize()
-                e[T_END] = wall0 + ref.elapsed_time(e[T_END]) / 1e3
+            for field in TIMES:
+                if isinstance(e[field], torch.cuda.Event) and (block or e[field].query()):
+                    e[field].synchronize()
+                    e[field] = wall0 + ref.elapsed_time(e[field]) / 1e3
 
 
 Work = dist.distributed_c10d.Work
@@ -422,9 +467,26 @@ _original_wait = Work.wait
 
 def _wait_and_stamp(work, *args, **kwargs):
     out = _original_wait(work, *args, **kwargs)
-    if _active is not None and _active._unfinished:
+    if _active is not None and _active._unwaited:
         _active._stamp_waited(work)
     return out
+
+
+ProcessGroup = dist.ProcessGroup
+_original_coalescing = (ProcessGroup._start_coalescing, ProcessGroup._end_coalescing)
+
+
+def _start_coalescing(pg, device):
+    if _active is not None:
+        _active.start_coalescing()
+    return _original_coalescing[0](pg, device)
+
+
+def _end_coalescing(pg, device):
+    work = _original_coalescing[1](pg, device)
+    if _active is not None:
+        _active.end_coalescing(work, device)
+    return work
 
 
 def completion_unknown(event: list) -> bool:
@@ -436,10 +498,6 @@ def _unresolved(value):
     if isinstance(value, torch.cuda.Event):
         return None
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
-
-
-def label_key(name: str) -> str:
-    return name.replace("_", "").lower()
 
 
 def dtype_name(tensor: torch.Tensor | None) -> str | None:

@@ -61,6 +61,27 @@ def test_every_kind_of_call_is_recorded_once_with_its_size(ops_run):
         assert p2p == {("send_recv", op, N_BYTES, peer), ("isend_irecv", op, N_BYTES, peer)}
 
 
+def test_calls_in_inference_mode_and_batched_p2p_are_recorded(ops_run):
+    events, _ = ops_run
+    for rank in (0, 1):
+        mine = [e for e in events if e["rank"] == rank]
+        inference = [(e["op"], e["bytes"]) for e in mine if e["phase"] == "inference_mode"]
+        assert inference == [("all_reduce", N_BYTES), ("all_gather", 2 * N_BYTES), ("broadcast", N_BYTES),
+                             ("barrier", 0), ("all_reduce", N_BYTES)]
+        batched = [(e["op"], e["bytes"], e["peer"]) for e in mine if e["phase"] == "batch_isend_irecv"]
+        assert batched == [(("send", "recv")[rank], N_BYTES, 1 - rank)]
+
+
+def test_a_work_without_future_completes_when_that_work_is_waited_on(ops_run):
+    """Rank 0 waits on its second send first and on the first 0.3 s later: matching waits by kind
+    (the oldest pending send) would swap the two completions."""
+    events, _ = ops_run
+    sends = [e for e in events if e["rank"] == 0 and e["phase"] == "waited_out_of_order"]
+    small, large = sorted(sends, key=lambda e: e["bytes"])
+    assert (small["bytes"], large["bytes"]) == (N_BYTES // 2, N_BYTES)
+    assert small["t_end"] - large["t_end"] >= 0.25
+
+
 def test_every_call_has_completion_after_start_and_matches_across_ranks(ops_run):
     events, _ = ops_run
     assert all(e["t_end"] >= e["t_start"] for e in events)

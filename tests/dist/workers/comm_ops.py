@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +40,32 @@ def every_op(rank: int, world: int) -> None:
     for name, call in calls.items():
         with phase(name):
             call()
+    with phase("inference_mode"), torch.inference_mode():
+        y = torch.ones(N)
+        dist.all_reduce(y)
+        dist.all_gather_into_tensor(torch.empty(N * world), y)
+        dist.broadcast(y, 0)
+        dist.barrier()
+        funcol.all_reduce(y, "sum", dist.group.WORLD).wait()
+    with phase("batch_isend_irecv"):
+        op = dist.isend if rank == 0 else dist.irecv
+        for work in dist.batch_isend_irecv([dist.P2POp(op, x, 1 - rank)]):
+            work.wait()
+    waited_out_of_order(rank)
+
+
+def waited_out_of_order(rank: int) -> None:
+    """Two sends waited on in reverse order, 0.3 s apart: each call's completion is its own wait."""
+    first, second = torch.ones(N // 2), torch.ones(N)
+    with phase("waited_out_of_order"):
+        if rank == 0:
+            works = [dist.isend(first, 1), dist.isend(second, 1)]
+            works[1].wait()
+            time.sleep(0.3)
+            works[0].wait()
+        else:
+            dist.recv(first, 0)
+            dist.recv(second, 0)
 
 
 def model() -> torch.nn.Module:
