@@ -236,7 +236,10 @@ def notes(dump: InspectorDump) -> list[str]:
         )
     if dump.unknown_ops:
         listed = ", ".join(f"{name} ({n})" for name, n in sorted(dump.unknown_ops.items()))
-        out.append(f"NCCL Inspector: left out calls of operations it does not name: {listed}.")
+        out.append(
+            f"NCCL Inspector: left out calls of operations we do not map: {listed} (Invalid is what "
+            "Inspector writes for NCCL functions it does not know, such as AlltoAll, Gather, Scatter)."
+        )
     if dump.host_timed:
         out.append(
             f"NCCL Inspector: {dump.host_timed} of the calls were timed on the host, not the GPU kernel "

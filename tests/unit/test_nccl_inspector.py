@@ -1,6 +1,6 @@
 """NCCL Inspector's dumps read into our events: its operation names mapped to ours, its per-rank message
 sizes turned into the whole array S, its microseconds into seconds, the communicator's rank and size;
-bad lines and foreign files counted, never a traceback.
+bad lines and foreign files counted, never a traceback; the report gets the stage's Inspector table.
 
 The fixtures are hand-written in the JSON writer's exact format (NVIDIA/nccl
 plugins/profiler/inspector/inspector_json.cc): gpu-a01-pid4242.log is rank 0 without verbose traces (one
@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.nccl_inspector import kernel_seconds, read_stage, summary_table
+from analysis.nccl_inspector import TITLE, kernel_seconds, read_stage, summary_table
+from analysis.report import write_report
 from runtime.comm_profiler import FIELDS
+from tests.conftest import markdown_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl_inspector"
 STAGE = "stage2_grpo"
@@ -144,3 +146,34 @@ def test_table_is_per_op_communicator_size_and_power_of_two_size(events):
         ["reduce_scatter", "8", "[128.00 MiB, 256.00 MiB)", "2", "1.275", "92.146"],
         ["send", "2", "[4.00 MiB, 8.00 MiB)", "1", "0.100", "41.943"],
     ]
+
+
+def profile(run: Path, stage: str) -> None:
+    """Two ranks' one all-reduce of our own profiler, so that the report lists the stage."""
+    folder = run / stage / "profile"
+    folder.mkdir(parents=True)
+    for rank in (0, 1):
+        e = dict.fromkeys(FIELDS)
+        e.update(stage=stage, step=1, phase="forward", rank=rank, op="all_reduce", bytes=1 << 20)
+        e.update(dtype="float32", group_size=2, group_ranks=[0, 1], seq=0, t_start=10.0, t_end=10.01)
+        e.update(backend="nccl", source="torch.distributed", async_op=False, attempt=1)
+        (folder / f"rank-{rank:05d}.jsonl").write_text(json.dumps(e) + "\n")
+
+
+def test_report_shows_the_inspector_table_of_a_stage_that_has_a_dump(tmp_path):
+    run = tmp_path / "run"
+    profile(run, "stage1_sft")
+    profile(run, STAGE)
+    stage_with_dump(run)
+    write_report([run], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    sft, grpo = md.split(f"### {STAGE}\n")
+    assert TITLE not in sft
+    rows = markdown_table(grpo, TITLE)
+    assert rows[0] == HEADER
+    assert rows[2] == ["all_reduce", "8", "[256.00 MiB, 512.00 MiB)", "2", "2.050", "229.289"]
+    assert "skipped 2 malformed or truncated lines: gpu-a01-pid4242.log (2)." in grpo
+    assert "not read, no Inspector JSON record in them" in grpo and "GPU-0a1b2c3d.prom" in grpo
+    assert "left out calls of operations we do not map: Invalid (1)" in grpo
+    assert "1 of the calls were timed on the host" in grpo
+    assert TITLE in (tmp_path / "report" / "index.html").read_text()
