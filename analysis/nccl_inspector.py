@@ -107,7 +107,7 @@ def read_file(path: Path, name: str, stage: str, dump: InspectorDump) -> None:
             lines += 1
             try:
                 obj = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nesting deeper than any record's
                 bad += 1
                 continue
             if not (isinstance(obj, dict) and "header" in obj):

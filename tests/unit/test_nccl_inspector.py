@@ -123,12 +123,13 @@ def test_hostile_lines_are_skipped_without_a_traceback(tmp_path):
     bool_seq = {**record, "coll_perf": {**record["coll_perf"], "coll_sn": True}}
     folder = tmp_path / STAGE / "nccl-inspector" / "12345"  # a dump directory per Slurm job
     folder.mkdir(parents=True)
-    lines = [good, "[1, 2]", '{"header": {}}', json.dumps(rank_too_big), json.dumps(bool_seq), "\ufffd\x00"]
+    lines = [good, "[1, 2]", '{"header": {}}', json.dumps(rank_too_big), json.dumps(bool_seq)]
+    lines += ["\ufffd\x00", "[" * 10**5]  # a NUL; nesting too deep for the json module
     (folder / "n1-pid1.log").write_text("\n".join(lines) + "\n")
     (folder / "n1-pid2.log").write_text("")  # opened, nothing dumped yet
     (folder / "notes.txt").write_bytes(b"\xff\xfe binary\n")
     dump = read_stage(tmp_path / STAGE)
-    assert len(dump.events) == 1 and dict(dump.bad_lines) == {"12345/n1-pid1.log": 5}
+    assert len(dump.events) == 1 and dict(dump.bad_lines) == {"12345/n1-pid1.log": 6}
     assert dump.unknown_files == ["12345/notes.txt"]
     assert read_stage(tmp_path / "stage1_sft").events == []
 
