@@ -14,6 +14,7 @@ from pathlib import Path
 from analysis import figures, scaling
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
+from analysis.nccl_inspector import add_section as inspector_section
 from analysis.nccl_transport import detect_in_logs
 from analysis.tables import Table, comparison_table, cross_stage_table, stage_tables
 
@@ -149,6 +150,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
             transport_note(doc, stage_dir)
             for table in stage_tables(s):
                 doc.table(table)
+            inspector_section(doc, stage_dir)
             for path in stage_figures(s, out_dir, prefix, commbench):
                 doc.figure(path)
     if len(runs) > 1:

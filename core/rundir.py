@@ -55,6 +55,11 @@ class RunDir:
     def logs(self, stage_id: str) -> Path:
         return self.stage(stage_id) / "logs"
 
+    def nccl_inspector(self, stage_id: str) -> Path:
+        """Where NCCL Inspector's dumps of the stage go when the user points NCCL_INSPECTOR_DUMP_DIR
+        here (docs/design.md, "Communication events"); nothing of ours writes it."""
+        return self.stage(stage_id) / "nccl-inspector"
+
     def synthetic_data(self, stage_id: str) -> Path:
         """The JSONL a synthesis stage writes (with provenance), read by the SFT stage after it."""
         return self.stage(stage_id) / "data" / "synthetic.jsonl"
