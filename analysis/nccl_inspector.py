@@ -166,6 +166,7 @@ def to_event(header: dict, meta: dict, perf: dict, kind: str, stage: str) -> dic
         "async_op": None,
         "t_wait": None,
         "attempt": None,
+        "t_ready": None,
     }
 
 
