@@ -148,19 +148,31 @@ def check_report(args) -> Outcome:
     rc = run_logged("report", hpcr1("report", str(run_dir), "--out", str(report)), args, 120)
     if rc != 0:
         return failed("report", rc, args)
-    backends = event_backends(run_dir / "stage2_grpo" / "profile")
+    events = profile_events(run_dir / "stage2_grpo" / "profile")
+    backends = {e.get("backend", "?") for e in events}
     if backends != {"nccl"}:
         return Outcome(False, f"GRPO's events were carried by {sorted(backends)}, not NCCL alone")
-    return Outcome(True, f"NCCL events only; {report}")
+    problems = cuda_timing_problems(events)
+    if problems:
+        return Outcome(False, f"{len(problems)} events with CUDA times out of order, e.g. {problems[0]}")
+    return Outcome(True, f"NCCL events only, enqueue <= stream ready <= end on all {len(events)}; {report}")
 
 
-def event_backends(profile_dir: Path) -> set[str]:
-    """The backends named by the profile's events (one JSON object a line, 'backend' among them)."""
-    names = set()
-    for path in profile_dir.glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            names.add(json.loads(line).get("backend", "?"))
-    return names
+def profile_events(profile_dir: Path) -> list[dict]:
+    lines = [line for path in profile_dir.glob("*.jsonl") for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in lines]
+
+
+def cuda_timing_problems(events: list[dict], slack_s: float = 1e-3) -> list[str]:
+    """The profiler's three CUDA moments must be present and ordered: the host enqueues (t_start)
+    before its stream reaches the call (t_ready), which is before the stream may go on (t_end).
+    slack_s: the error of mapping CUDA event times to wall-clock seconds."""
+    problems = []
+    for e in events:
+        start, ready, end = e["t_start"], e.get("t_ready"), e["t_end"]
+        if ready is None or end is None or not (start - slack_s <= ready <= end + slack_s):
+            problems.append(f"{e['op']} seq {e['seq']} rank {e['rank']}: {start}, {ready}, {end}")
+    return problems
 
 
 def check_verl(args) -> Outcome:

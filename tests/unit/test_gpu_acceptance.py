@@ -39,7 +39,7 @@ def test_an_unknown_check_exits_2_naming_the_choices():
 
 def test_figures_come_from_what_the_checks_wrote(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
-    from gpu_acceptance import commbench_figure, event_backends
+    from gpu_acceptance import commbench_figure, cuda_timing_problems, profile_events
 
     bench = {
         "backend": "nccl",
@@ -52,7 +52,13 @@ def test_figures_come_from_what_the_checks_wrote(tmp_path):
         },
     }
     assert commbench_figure(bench) == "nccl x4: all_reduce 256 MiB 2100 us, busbw 191.7 GB/s"
-    (tmp_path / "rank-00000.jsonl").write_text(
-        "\n".join(json.dumps({"op": "all_reduce", "backend": b}) for b in ("nccl", "gloo")) + "\n"
-    )
-    assert event_backends(tmp_path) == {"nccl", "gloo"}
+    times = [(1.0, 1.2, 1.5), (1.0, None, 1.5), (1.0, 1.6, 1.5)]  # ordered, no stream time, ready after end
+    rows = [
+        {"op": "all_reduce", "seq": i, "rank": 0, "backend": b, "t_start": s, "t_ready": r, "t_end": e}
+        for i, (b, (s, r, e)) in enumerate(zip(("nccl", "gloo", "nccl"), times))
+    ]
+    (tmp_path / "rank-00000.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    events = profile_events(tmp_path)
+    assert {e["backend"] for e in events} == {"nccl", "gloo"}
+    problems = [p.split(":")[0] for p in cuda_timing_problems(events)]
+    assert problems == ["all_reduce seq 1 rank 0", "all_reduce seq 2 rank 0"]
