@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.events import load_events, load_phase_times
-from analysis.matching import MatchedCall, arrival, match_calls, straggler_counts, wait_by_rank
-from analysis.overlap import length, overlap_fraction
+from analysis.events import arrival, load_events, load_phase_times
+from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
+from analysis.overlap import length, overlap_fraction, span
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
 
@@ -138,11 +138,7 @@ class StageSummary:
         rows = []
         for name in sorted({top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())):
             mine = [e for e in rank0 if top_phase(e["phase"]) == name]
-            exposed = (
-                length([(e["t_start"], e["t_end"]) for e in mine]) * (1 - overlap_fraction(mine))
-                if mine
-                else 0.0
-            )
+            exposed = length([span(e) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
             wall = self._top_level_walls().get(name, exposed)
             rows.append((name, wall, exposed, max(0.0, wall - exposed)))
         return rows

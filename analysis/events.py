@@ -35,6 +35,7 @@ def load_events(stage_dir: Path) -> list[dict]:
             e.setdefault("t_wait", None)  # profiles written before the field existed
             e.setdefault("attempt", 1)
             e.setdefault("t_ready", None)
+            e.setdefault("side_stream", None)
             events.append(e)
     last = {}
     for e in events:
@@ -54,3 +55,16 @@ def load_phase_times(stage_dir: Path) -> dict[str, float]:
                 name = key.removeprefix(PHASE_TIME_PREFIX)
                 totals[name] = totals.get(name, 0.0) + float(value)
     return totals
+
+
+def arrival(event: dict) -> float:
+    """When the rank got to the call: on CUDA when its stream reached it (t_ready; the host enqueues
+    ahead of the GPU), elsewhere when it made the call."""
+    return event["t_start"] if event.get("t_ready") is None else event["t_ready"]
+
+
+def beside_caller(event: dict) -> bool:
+    """Whether the call ran while its caller went on: asked for async (async_op), or put on a CUDA
+    stream other than the device's default one, where compute runs (DeepSpeed's overlap_comm
+    reduction stream, FSDP2's all-gather stream): the compute stream does not wait for it."""
+    return bool(event["async_op"] or event.get("side_stream"))

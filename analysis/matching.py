@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from analysis.events import arrival
+
 
 @dataclass
 class MatchedCall:
@@ -41,10 +43,6 @@ class MatchedCall:
     @property
     def transfer_s(self) -> float:
         return max(0.0, min(e["t_end"] for e in self.events.values()) - self.last_arrival)
-
-
-def arrival(event: dict) -> float:
-    return event["t_start"] if event.get("t_ready") is None else event["t_ready"]
 
 
 def match_calls(events: list[dict]) -> list[MatchedCall]:

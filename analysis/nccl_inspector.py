@@ -167,6 +167,7 @@ def to_event(header: dict, meta: dict, perf: dict, kind: str, stage: str) -> dic
         "t_wait": None,
         "attempt": None,
         "t_ready": None,
+        "side_stream": None,
     }
 
 

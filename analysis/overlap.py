@@ -1,14 +1,17 @@
 """Overlap of communication with compute, from one rank's own timestamps.
 
 A synchronous call blocks its caller: its time overlaps nothing (0 by definition). An async call
-(async_op: DDP's bucketed all-reduce, FSDP2's all-gather/reduce-scatter, functional collectives)
-runs while the caller goes on; the part of its interval not covered by the rank's synchronous calls,
-nor by the rank's own wait for it (t_wait to t_end, where the profiler saw the wait), is counted as
-overlapped. This is an upper bound: the caller may have been idle, not computing.
+(async_op: DDP's bucketed all-reduce, FSDP2's all-gather/reduce-scatter, functional collectives;
+on CUDA also a call on a side stream: events.beside_caller) runs while the caller goes on; the part
+of its interval not covered by the rank's synchronous calls, nor by the rank's own wait for it
+(t_wait to t_end, where the profiler saw the wait), is counted as overlapped. This is an upper
+bound: the caller may have been idle, not computing.
 overlap fraction = overlapped seconds / seconds in the union of all the rank's comm intervals.
 """
 
 from __future__ import annotations
+
+from analysis.events import arrival, beside_caller
 
 Interval = tuple[float, float]
 
@@ -46,18 +49,22 @@ def subtract(intervals: list[Interval], holes: list[Interval]) -> float:
     return length(intervals) - intersection(intervals, holes)
 
 
+def span(e: dict) -> Interval:
+    return (arrival(e), e["t_end"])
+
+
 def blocked(rank_events: list[dict]) -> list[Interval]:
     """When the rank could not go on: inside its synchronous calls and its waits for async ones."""
-    spans = [(e["t_start"], e["t_end"]) for e in rank_events if not e["async_op"]]
+    spans = [span(e) for e in rank_events if not beside_caller(e)]
     return spans + [
-        (e["t_wait"], e["t_end"]) for e in rank_events if e["async_op"] and e.get("t_wait") is not None
+        (e["t_wait"], e["t_end"]) for e in rank_events if beside_caller(e) and e.get("t_wait") is not None
     ]
 
 
 def overlap_fraction(rank_events: list[dict]) -> float:
-    spans = [(e["t_start"], e["t_end"]) for e in rank_events]
+    spans = [span(e) for e in rank_events]
     total = length(spans)
     if total == 0:
         return 0.0
-    free = [(e["t_start"], e["t_end"]) for e in rank_events if e["async_op"]]
+    free = [span(e) for e in rank_events if beside_caller(e)]
     return subtract(free, blocked(rank_events)) / total

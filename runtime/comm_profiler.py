@@ -57,7 +57,10 @@ from runtime.phases import current_phase
 # from t_wait to t_end the call blocked its caller (DTensor's full_tensor() waits at once); and
 # attempt: the stage's attempt (manifest) whose ranks made the call. Every attempt appends to the same
 # file, so steps an attempt redoes after a crash are recorded twice; the reader keeps the last.
-# t_ready: on CUDA, when the issuing stream reached the call (module doc); null elsewhere.
+# t_ready: on CUDA, when the issuing stream reached the call (module doc); side_stream: on CUDA, whether
+# that stream is not the device's default stream, where compute runs (DeepSpeed's overlap_comm
+# reduction stream, FSDP2's all-gather stream): then compute goes on beside even a synchronous call.
+# Both null elsewhere.
 FIELDS = (
     "stage",
     "step",
@@ -78,10 +81,12 @@ FIELDS = (
     "t_wait",
     "attempt",
     "t_ready",
+    "side_stream",
 )
 T_WAIT = FIELDS.index("t_wait")
 T_END = FIELDS.index("t_end")
 T_READY = FIELDS.index("t_ready")
+SIDE_STREAM = FIELDS.index("side_stream")
 TIMES = (T_END, T_READY)
 # Pending calls kept back for their completion; beyond that the oldest are written with t_end null
 # (gloo Works nobody waits on would otherwise grow the buffer for the whole stage).
@@ -308,6 +313,7 @@ class CommProfiler:
             None,
             self.attempt,
             None,
+            None,
         ]
         with self._lock:
             self.events.append(event)
@@ -395,10 +401,12 @@ class CommProfiler:
         return kernel
 
     def _mark_ready(self, event: list, tensor: torch.Tensor | None) -> bool:
-        """On CUDA, note when the issuing stream reaches the call; returns whether it is on CUDA."""
+        """On CUDA, note when and on which stream the call is issued; returns whether it is on CUDA."""
         on_cuda = tensor is not None and tensor.is_cuda and self._cuda_clock is not None
         if on_cuda:
             event[T_READY] = self._now(True)
+            stream = torch.cuda.current_stream(tensor.device)
+            event[SIDE_STREAM] = stream != torch.cuda.default_stream(tensor.device)
         return on_cuda
 
     def _now(self, on_cuda: bool):

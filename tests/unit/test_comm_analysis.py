@@ -8,7 +8,7 @@ import json
 import pytest
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.breakdown import StageSummary
+from analysis.breakdown import StageSummary, duration
 from analysis.events import load_events
 from analysis.matching import match_calls, wait_by_rank
 from analysis.overlap import overlap_fraction
@@ -109,6 +109,20 @@ def test_the_time_a_rank_waits_for_its_async_call_is_not_overlapped():
     assert overlap_fraction([waited_from_3, ev(0, 1, 1.0, 2.0)]) == pytest.approx(0.5)
     waited_at_once = {**ev(0, 0, 0.0, 4.0, async_op=True), "t_wait": 0.0}
     assert overlap_fraction([waited_at_once]) == 0.0
+
+
+def test_on_cuda_a_call_on_a_side_stream_overlaps_and_time_counts_from_when_its_stream_got_there():
+    # A synchronous call on DeepSpeed's reduction stream: the compute stream went on beside it.
+    side = {**ev(0, 0, 0.0, 4.0), "side_stream": True}
+    assert overlap_fraction([side, ev(0, 1, 1.0, 2.0)]) == pytest.approx(0.75)
+    # Enqueued at 0 but reached by its stream at 3: one second in the call, not four.
+    queued = {**ev(0, 0, 0.0, 4.0), "t_ready": 3.0}
+    assert duration(queued) == pytest.approx(1.0)
+    # Matching: rank 1's stream got there last (t_ready 3), though its host enqueued first.
+    calls = match_calls([{**ev(0, 0, 1.0, 4.0, ranks=(0, 1)), "t_ready": 2.0},
+                         {**ev(1, 0, 0.5, 4.0, ranks=(0, 1)), "t_ready": 3.0}])
+    assert calls[0].slow_rank == 1 and calls[0].wait(0) == pytest.approx(1.0)
+    assert calls[0].transfer_s == pytest.approx(1.0)
 
 
 def test_commbench_sizes_accept_unit_suffixes():
