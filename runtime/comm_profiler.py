@@ -269,6 +269,7 @@ class CommProfiler:
         _active = None
         Work.wait = _original_wait
         ProcessGroup._start_coalescing, ProcessGroup._end_coalescing = _original_coalescing
+        self._unwaited.clear()  # let go of the Works (and their tensors) nobody waited on
         self.flush(everything=True)
 
     def __enter__(self) -> CommProfiler:
