@@ -73,7 +73,7 @@ class StageSummary:
         return sum(e["bytes"] for e in self.step_events() if e["rank"] == self.ranks[0]) / self.steps
 
     def by_op(self) -> list[tuple]:
-        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth GB/s)."""
+        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth B/s)."""
         rows = []
         for op in sorted({e["op"] for e in self.events}):
             mine = [e for e in self.events if e["op"] == op]
@@ -84,7 +84,7 @@ class StageSummary:
                     len(mine) // per_rank,
                     sum(e["bytes"] for e in mine) // per_rank,
                     self.per_rank_mean(sum(duration(e) for e in mine)),
-                    self.median_busbw(op) / 1e9,
+                    self.median_busbw(op),
                 )
             )
         return sorted(rows, key=lambda r: -r[3])

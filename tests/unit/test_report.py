@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from analysis.report import write_report
-from tests.conftest import markdown_table, markdown_tables
+from analysis.tables import elapsed, rate
+from tests.conftest import markdown_table, markdown_tables, seconds
 
 RANKS = (0, 1)
 
@@ -146,8 +147,8 @@ def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
     # write_stage: one all-reduce and one all-gather a phase and step, 3 steps;
     # the two ranks spend 25 + 5 ms a call
     assert rows == [
-        ["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
-        ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3],
+        ["all_gather", *["3", "192.00 KiB", "45.00 ms"] * 3],
+        ["all_reduce", *["3", "3.00 MiB", "45.00 ms"] * 3],
     ]
 
 
@@ -164,9 +165,9 @@ def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
     md = (report / "report.md").read_text()
     section = md.split("## Run ranks2\n")[1].split("### stage2_grpo")[0]
     per_rank = next(t for t in markdown_tables(section) if t[0][0] == "rank")
-    rows = {row[0]: row for row in per_rank[1:]}  # rank, comm ms, wait ms, times slowest, overlap
+    rows = {row[0]: row for row in per_rank[1:]}  # rank, comm, wait, times slowest, overlap
     assert rows["1"][3] == str(3 * 3 * 2) and rows["0"][3] == "0"
-    assert float(rows["0"][2]) == pytest.approx(18 * 20.0, rel=1e-3) and float(rows["1"][2]) == 0.0
+    assert rows["0"][2] == "360.0 ms" and rows["1"][2] == "0"
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -240,3 +241,33 @@ def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path
     assert {"site-a_runs_tiny-cpu-stage2_grpo-phases.png", "site-b_runs_tiny-cpu-stage2_grpo-phases.png"} <= {
         p.name for p in out.glob("*.png")
     }
+
+
+@pytest.mark.parametrize(
+    "seconds_in,text",
+    [
+        (102.19674, "102.2 s"),
+        (1.0, "1.000 s"),
+        (0.99996, "1.000 s"),  # rounds up into the next unit, not "1000 ms"
+        (0.016877, "16.88 ms"),
+        (0.0009523, "952.3 µs"),
+        (3e-8, "0.03000 µs"),
+        (0.0, "0"),
+    ],
+)
+def test_times_carry_the_unit_that_fits_their_size(seconds_in, text):
+    assert elapsed(seconds_in) == text and seconds(text) == pytest.approx(seconds_in, rel=1e-3, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "bytes_per_s,text",
+    [
+        (12.3e9, "12.30 GB/s"),
+        (4.56e6, "4.560 MB/s"),
+        (89_000.0, "89.00 KB/s"),
+        (12.0, "12.00 B/s"),
+        (0.0, "-"),  # no call measured
+    ],
+)
+def test_bandwidth_carries_the_unit_that_fits_its_size(bytes_per_s, text):
+    assert rate(bytes_per_s) == text
