@@ -10,12 +10,14 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.events import load_events, load_phase_times
+from analysis.events import load_events, load_metrics, load_phase_times, phase_times
 from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
 from analysis.overlap import length, overlap_fraction
+from analysis.phase_order import by_median_position, first_calls, step_order
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
 
@@ -53,6 +55,7 @@ class StageSummary:
     phase_wall: dict[str, float]
     ranks: list[int] = field(init=False)
     steps: int = field(init=False)
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl's lines, [] when none
 
     def __post_init__(self):
         self.ranks = sorted({e["rank"] for e in self.events})
@@ -62,6 +65,27 @@ class StageSummary:
         """The events of the stage's steps: not setup (step 0) and not the held-out evaluation of
         final/ (its own step after the last), which a "per step" figure must not spread over the steps."""
         return [e for e in self.events if e["step"] and not e["phase"].startswith("eval")]
+
+    @cached_property
+    def phase_order(self) -> list[str]:
+        """Top-level phases in the order a step runs them (analysis/phase_order.py), then those seen
+        only outside the training steps (setup, the evaluation of final/) by their first call."""
+        lines = [[name for name in phase_times(row) if "/" not in name] for row in self.metrics]
+        order = step_order(self.step_events(), lines, lambda e: top_phase(e["phase"]))
+        by_time = sorted(self.events, key=lambda e: e["t_start"])
+        return order + [p for p in dict.fromkeys(top_phase(e["phase"]) for e in by_time) if p not in order]
+
+    @cached_property
+    def _nested_order(self) -> dict[str, int]:
+        names = by_median_position(first_calls(self.events, lambda e: e["phase"]))
+        return {name: i for i, name in enumerate(names)}
+
+    def phase_key(self, name: str) -> tuple:
+        """Sorts phase names in step order; a nested one (a/b) after its parent, among its siblings
+        by when it first called in a step."""
+        top = top_phase(name)
+        place = self.phase_order.index(top) if top in self.phase_order else len(self.phase_order)
+        return (place, name != top, self._nested_order.get(name, len(self._nested_order)), name)
 
     def per_rank_mean(self, seconds: float) -> float:
         return seconds / max(1, len(self.ranks))
@@ -135,7 +159,8 @@ class StageSummary:
         Wall time comes from metrics.jsonl; without it, the phase is only what its calls took."""
         rank0 = [e for e in self.events if e["rank"] == self.ranks[0]]
         rows = []
-        for name in sorted({top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())):
+        names = {top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())
+        for name in sorted(names, key=self.phase_key):
             mine = [e for e in rank0 if top_phase(e["phase"]) == name]
             exposed = (
                 length([(e["t_start"], e["t_end"]) for e in mine]) * (1 - overlap_fraction(mine))
@@ -200,4 +225,5 @@ class StageSummary:
 
 def summarise_stage(stage_dir: Path) -> StageSummary:
     events = load_events(stage_dir)
-    return StageSummary(Path(stage_dir).name, events, match_calls(events), load_phase_times(stage_dir))
+    name, walls, metrics = Path(stage_dir).name, load_phase_times(stage_dir), load_metrics(stage_dir)
+    return StageSummary(name, events, match_calls(events), walls, metrics)

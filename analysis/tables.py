@@ -89,7 +89,10 @@ def stage_tables(s: StageSummary) -> list[Table]:
         return Table(
             title,
             ["phase", *ops],
-            [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)],
+            [
+                [p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)]
+                for p in sorted(phase_ops, key=s.phase_key)
+            ],
         )
 
     tables = [
