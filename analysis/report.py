@@ -16,6 +16,7 @@ from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
 from analysis.nccl_transport import detect_in_logs
 from analysis.tables import Table, comparison_table, cross_stage_table, stage_tables
+from core.rundir import RunDir
 
 # After loading, the page counts its figures that failed to decode; a headless browser test reads
 # the count back from the DOM (data-broken-figures="0").
@@ -168,6 +169,21 @@ def started_scales(sweep_dir: Path) -> list[Path]:
     return [run for run in listed if (run / "config.yaml").is_file()]
 
 
+def unusable(run: Path) -> str | None:
+    """Why `run` cannot be reported on, or None: a report of nothing would read as a run that did not
+    communicate."""
+    if not run.is_dir():
+        return f"not a run directory: {run} (no such directory)"
+    if not RunDir(run).config.is_file():
+        return f"not a run directory: {run} (no config.yaml)"
+    if not stage_dirs(run):
+        return (
+            f"no communication profile in {run} (<stage>/profile/rank-*.jsonl): no stage has run yet, "
+            "or they ran with profile.comm: false"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
     parser.add_argument(
@@ -184,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dirs[0] / "report"
     if len(args.run_dirs) == 1 and (args.run_dirs[0] / scaling.SWEEP_FILE).is_file():
         args.run_dirs = started_scales(args.run_dirs[0]) or parser.error("no scale of the sweep has started")
-    missing = [str(r) for r in args.run_dirs if not r.is_dir()]
-    if missing:
-        parser.error(f"not a run directory: {', '.join(missing)}")
+    problems = [why for why in map(unusable, args.run_dirs) if why]
+    if problems:
+        parser.error("; ".join(problems))
     bench = json.loads(args.commbench.read_text()) if args.commbench else None
     print(write_report(args.run_dirs, out, bench))
     return 0

@@ -220,13 +220,34 @@ def test_hpcr1_hands_options_to_the_commands_own_parser(command, capsys):
     assert capsys.readouterr().out.startswith(f"usage: hpcr1 {command} ")
 
 
-def test_hpcr1_report_on_a_missing_directory_is_bad_input(tmp_path, capsys):
+def unprofiled_run(tmp_path: Path) -> Path:
+    """A run directory whose stage ran without the profiler: a config and metrics, no profile/."""
+    write_stage(tmp_path / "run", "stage1_sft", ["forward"])
+    shutil.rmtree(tmp_path / "run" / "stage1_sft" / "profile")
+    (tmp_path / "run" / "config.yaml").write_text("name: run\n")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize(
+    "make_dir,reason",
+    [
+        (lambda tmp: tmp / "missing", "not a run directory: {dir} (no such directory)"),
+        (lambda tmp: tmp, "not a run directory: {dir} (no config.yaml)"),
+        (unprofiled_run, "no communication profile in {dir}"),
+    ],
+    ids=["missing", "not-a-run", "no-profile"],
+)
+def test_hpcr1_report_on_what_it_cannot_report_is_bad_input_and_writes_nothing(
+    make_dir, reason, tmp_path, capsys
+):
     from pipeline.cli import main
 
+    run = make_dir(tmp_path)
     with pytest.raises(SystemExit) as done:
-        main(["report", "--out", str(tmp_path / "out"), str(tmp_path / "missing")])
-    assert done.value.code == 2 and "not a run directory" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+        main(["report", "--out", str(tmp_path / "out"), str(run)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and reason.format(dir=run) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (run / "report").exists()
 
 
 def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path):
