@@ -127,6 +127,7 @@ class StageSummary:
             if e["op"] == op
             and (tuple(e["group_ranks"]), e["attempt"], e["seq"]) not in matched
             and duration(e) > 0
+            and e["group_size"] > 1  # a group of one moves nothing (megatron's tensor-parallel group at TP 1)
         ]
         return [p for p in points if p[0] > 0]
 
