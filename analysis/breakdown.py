@@ -15,11 +15,12 @@ from pathlib import Path
 
 from analysis.bandwidth import bus_bandwidth
 from analysis.events import load_events, load_metrics, load_phase_times, phase_times
-from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
+from analysis.matching import MatchedCall, held_up, match_calls, straggler_counts, wait_by_rank
 from analysis.overlap import length, overlap_fraction
 from analysis.phase_order import by_median_position, first_calls, step_order
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
+STRAGGLER_MIN_WAIT_S = 1e-3  # a rank is the straggler of a call only where others waited longer
 
 
 def top_phase(phase: str) -> str:
@@ -86,6 +87,12 @@ class StageSummary:
         top = top_phase(name)
         place = self.phase_order.index(top) if top in self.phase_order else len(self.phase_order)
         return (place, name != top, self._nested_order.get(name, len(self._nested_order)), name)
+
+    def step_seconds(self) -> float:
+        """The stage's wall time in its steps: metrics' step_time_s summed, else (a stage that logs no
+        step time, as synthesis) its top-level phases' wall time; 0.0 when metrics say neither."""
+        steps = [row["step_time_s"] for row in self.metrics if "step_time_s" in row]
+        return sum(steps) if steps else sum(self._top_level_walls().values())
 
     def per_rank_mean(self, seconds: float) -> float:
         return seconds / max(1, len(self.ranks))
@@ -175,9 +182,13 @@ class StageSummary:
     def _top_level_walls(self) -> dict[str, float]:
         return {p: t for p, t in self.phase_wall.items() if "/" not in p}
 
+    def held_up(self) -> dict[int, tuple[int, float]]:
+        """rank -> (calls it was the straggler of, seconds the others waited for it: matching.held_up)."""
+        return held_up(self.calls, min_wait_s=STRAGGLER_MIN_WAIT_S)
+
     def per_rank(self) -> list[tuple[int, float, float, int, float]]:
         """(rank, comm s, wait s, times it was the straggler, overlap fraction)."""
-        waits, slow = wait_by_rank(self.calls), straggler_counts(self.calls, min_wait_s=1e-3)
+        waits, slow = wait_by_rank(self.calls), straggler_counts(self.calls, min_wait_s=STRAGGLER_MIN_WAIT_S)
         rows = []
         for rank in self.ranks:
             mine = [e for e in self.events if e["rank"] == rank]

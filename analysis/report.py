@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import figures, scaling
+from analysis import figures, headline, scaling
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
 from analysis.nccl_transport import detect_in_logs
@@ -71,6 +71,15 @@ class Document:
         self.md.append(text + "\n")
         self.html.append(f"<p>{html.escape(text)}</p>")
 
+    def items(self, lines: list[str], ordered: bool = False) -> None:
+        self.md.append(
+            "\n".join(f"{f'{i}.' if ordered else '-'} {line}" for i, line in enumerate(lines, 1)) + "\n"
+        )
+        tag = "ol" if ordered else "ul"
+        self.html.append(
+            f"<{tag}>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + f"</{tag}>"
+        )
+
     def table(self, table: Table) -> None:
         self.md.append(table.markdown())
         self.html.append(table.html())
@@ -108,6 +117,17 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return ["/".join(r.parts[-depth:]) for r in run_dirs]
 
 
+def headline_section(doc: Document, runs: dict[str, list[StageSummary]]) -> None:
+    """The findings first (analysis/headline.py), so that a reader knows what the tables below show."""
+    doc.heading("Headline findings")
+    for run, stages in runs.items():
+        if len(runs) > 1:
+            doc.paragraph(f"Run {run}:")
+        doc.paragraph("Largest communication costs (operation in phase, time per rank over the stage):")
+        doc.items(headline.costliest(stages), ordered=True)
+        doc.items([headline.slowest_rank(stages), headline.most_exposed(stages)])
+
+
 def scaling_section(doc: Document, run_dirs: list[Path], labels: list[str], out_dir: Path) -> None:
     stages, left_out = scaling.scaling(run_dirs, labels)
     doc.heading("Scaling")
@@ -133,6 +153,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     dirs = {label: stage_dirs(run) for label, run in zip(run_labels(run_dirs), run_dirs)}
     runs = {name: [summarise_stage(d) for d in stages] for name, stages in dirs.items()}
     doc = Document("Communication report: " + ", ".join(runs))
+    headline_section(doc, runs)
     doc.paragraph(
         "Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
         "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "

@@ -292,3 +292,14 @@ def test_times_carry_the_unit_that_fits_their_size(seconds_in, text):
 )
 def test_bandwidth_carries_the_unit_that_fits_its_size(bytes_per_s, text):
     assert rate(bytes_per_s) == text
+
+
+def test_the_report_opens_with_each_runs_headline_findings_before_any_table(report):
+    md = (report / "report.md").read_text()
+    head = md.split("\n|", 1)[0]
+    first, again = head.split("## Headline findings\n", 1)[1].split("Run ranks2-again:")
+    for findings, late in ((first, 1), (again, 0)):
+        costs = [line for line in findings.splitlines() if line[:3] in ("1. ", "2. ", "3. ")]
+        assert len(costs) == 3 and all(" per rank, " in line for line in costs), findings
+        assert f"- Slowest rank: rank {late} of stage" in findings
+        assert "- Most exposed communication: " in findings
