@@ -1,6 +1,7 @@
 """`hpcr1 report RUN_DIR [RUN_DIR ...]`: per stage, where communication time goes (by operation,
 phase and rank), as report/index.html (one self-contained file, figures embedded), report/report.md
-(the same tables) and the PNG figures."""
+(the same tables), the PNG figures and report/timeline.json (every call on one time axis, a Chrome
+trace: analysis/timeline.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import figures, headline, scaling
+from analysis import figures, headline, scaling, timeline
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
 from analysis.nccl_transport import detect_in_logs
@@ -128,6 +129,22 @@ def headline_section(doc: Document, runs: dict[str, list[StageSummary]]) -> None
         doc.items([headline.slowest_rank(stages), headline.most_exposed(stages)])
 
 
+def timeline_section(doc: Document, stages: list[StageSummary], run: str, path: Path) -> None:
+    timeline.write_timeline(stages, run, path)
+    doc.paragraph(
+        f"Timeline: {path.name}, every call of every rank on one time axis, in the Chrome trace format "
+        "(open it in ui.perfetto.dev or chrome://tracing): a process per stage and rank, with its steps "
+        "and phases (drawn from its calls), its calls, and an arrow from the first rank to reach each "
+        "collective to the last, the one the others waited for (analysis/timeline.py)."
+    )
+    large = timeline.large_stages(stages)
+    if large:
+        doc.paragraph(
+            f"{', '.join(large)}: more than {timeline.LARGE_STAGE:,} calls, all kept in the timeline, "
+            "which may load slowly."
+        )
+
+
 def scaling_section(doc: Document, run_dirs: list[Path], labels: list[str], out_dir: Path) -> None:
     stages, left_out = scaling.scaling(run_dirs, labels)
     doc.heading("Scaling")
@@ -164,6 +181,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     for run, stages in runs.items():
         prefix = f"{run.replace('/', '_')}-" if len(runs) > 1 else ""
         doc.heading(f"Run {run}")
+        timeline_section(doc, stages, run, out_dir / f"{prefix}timeline.json")
         if stages:
             doc.table(cross_stage_table(stages))
         for s, stage_dir in zip(stages, dirs[run]):

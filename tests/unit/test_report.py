@@ -303,3 +303,11 @@ def test_the_report_opens_with_each_runs_headline_findings_before_any_table(repo
         assert len(costs) == 3 and all(" per rank, " in line for line in costs), findings
         assert f"- Slowest rank: rank {late} of stage" in findings
         assert "- Most exposed communication: " in findings
+
+
+def test_the_report_writes_each_runs_timeline_and_says_where(report):
+    md = (report / "report.md").read_text()
+    for run in ("ranks2", "ranks2-again"):
+        trace = json.loads((report / f"{run}-timeline.json").read_text())
+        assert trace["otherData"]["run"] == run and any(e["ph"] == "X" for e in trace["traceEvents"])
+        assert f"Timeline: {run}-timeline.json, " in md.split(f"## Run {run}\n", 1)[1].split("|", 1)[0]
