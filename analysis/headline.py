@@ -44,7 +44,7 @@ def most_exposed(stages: list[StageSummary]) -> str:
     rows = [(exposed, wall, s, phase) for s in stages for phase, wall, exposed, _ in s.phase_split()]
     exposed, wall, s, phase = max(rows, key=lambda r: r[0], default=(0.0, 0.0, None, ""))
     if s is None or exposed <= 0:
-        return "Most exposed communication: none (every call overlapped compute)."
+        return "Most exposed communication: none (no call blocked rank 0)."
     return (
         f"Most exposed communication: {phase} of {s.name}: rank 0 sat {elapsed(exposed)} blocked in "
         f"communication there, {exposed / wall:.1%} of the phase's {elapsed(wall)}."
