@@ -10,14 +10,17 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.events import arrival, load_events, load_phase_times
-from analysis.matching import MatchedCall, match_calls, straggler_counts, wait_by_rank
+from analysis.events import arrival, load_events, load_metrics, load_phase_times, phase_times
+from analysis.matching import MatchedCall, held_up, match_calls, straggler_counts, wait_by_rank
 from analysis.overlap import length, overlap_fraction, span
+from analysis.phase_order import by_median_position, first_calls, step_order
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
+STRAGGLER_MIN_WAIT_S = 1e-3  # a rank is the straggler of a call only where others waited longer
 
 
 def top_phase(phase: str) -> str:
@@ -54,6 +57,7 @@ class StageSummary:
     phase_wall: dict[str, float]
     ranks: list[int] = field(init=False)
     steps: int = field(init=False)
+    metrics: list[dict] = field(default_factory=list)  # metrics.jsonl's lines, [] when none
 
     def __post_init__(self):
         self.ranks = sorted({e["rank"] for e in self.events})
@@ -63,6 +67,33 @@ class StageSummary:
         """The events of the stage's steps: not setup (step 0) and not the held-out evaluation of
         final/ (its own step after the last), which a "per step" figure must not spread over the steps."""
         return [e for e in self.events if e["step"] and not e["phase"].startswith("eval")]
+
+    @cached_property
+    def phase_order(self) -> list[str]:
+        """Top-level phases in the order a step runs them (analysis/phase_order.py), then those seen
+        only outside the training steps (setup, the evaluation of final/) by their first call."""
+        lines = [[name for name in phase_times(row) if "/" not in name] for row in self.metrics]
+        order = step_order(self.step_events(), lines, lambda e: top_phase(e["phase"]))
+        by_time = sorted(self.events, key=lambda e: e["t_start"])
+        return order + [p for p in dict.fromkeys(top_phase(e["phase"]) for e in by_time) if p not in order]
+
+    @cached_property
+    def _nested_order(self) -> dict[str, int]:
+        names = by_median_position(first_calls(self.events, lambda e: e["phase"]))
+        return {name: i for i, name in enumerate(names)}
+
+    def phase_key(self, name: str) -> tuple:
+        """Sorts phase names in step order; a nested one (a/b) after its parent, among its siblings
+        by when it first called in a step."""
+        top = top_phase(name)
+        place = self.phase_order.index(top) if top in self.phase_order else len(self.phase_order)
+        return (place, name != top, self._nested_order.get(name, len(self._nested_order)), name)
+
+    def step_seconds(self) -> float:
+        """The stage's wall time in its steps: metrics' step_time_s summed, else (a stage that logs no
+        step time, as synthesis) its top-level phases' wall time; 0.0 when metrics say neither."""
+        steps = [row["step_time_s"] for row in self.metrics if "step_time_s" in row]
+        return sum(steps) if steps else sum(self._top_level_walls().values())
 
     def per_rank_mean(self, seconds: float) -> float:
         return seconds / max(1, len(self.ranks))
@@ -74,7 +105,7 @@ class StageSummary:
         return sum(e["bytes"] for e in self.step_events() if e["rank"] == self.ranks[0]) / self.steps
 
     def by_op(self) -> list[tuple]:
-        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth GB/s)."""
+        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth B/s)."""
         rows = []
         for op in sorted({e["op"] for e in self.events}):
             mine = [e for e in self.events if e["op"] == op]
@@ -85,7 +116,7 @@ class StageSummary:
                     len(mine) // per_rank,
                     sum(e["bytes"] for e in mine) // per_rank,
                     self.per_rank_mean(sum(duration(e) for e in mine)),
-                    self.median_busbw(op) / 1e9,
+                    self.median_busbw(op),
                 )
             )
         return sorted(rows, key=lambda r: -r[3])
@@ -104,6 +135,7 @@ class StageSummary:
             if e["op"] == op
             and (tuple(e["group_ranks"]), e["attempt"], e["seq"]) not in matched
             and duration(e) > 0
+            and e["group_size"] > 1  # a group of one moves nothing (megatron's tensor-parallel group at TP 1)
         ]
         return [p for p in points if p[0] > 0]
 
@@ -136,7 +168,8 @@ class StageSummary:
         Wall time comes from metrics.jsonl; without it, the phase is only what its calls took."""
         rank0 = [e for e in self.events if e["rank"] == self.ranks[0]]
         rows = []
-        for name in sorted({top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())):
+        names = {top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())
+        for name in sorted(names, key=self.phase_key):
             mine = [e for e in rank0 if top_phase(e["phase"]) == name]
             exposed = length([span(e) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
             wall = self._top_level_walls().get(name, exposed)
@@ -146,9 +179,13 @@ class StageSummary:
     def _top_level_walls(self) -> dict[str, float]:
         return {p: t for p, t in self.phase_wall.items() if "/" not in p}
 
+    def held_up(self) -> dict[int, tuple[int, float]]:
+        """rank -> (calls it was the straggler of, seconds the others waited for it: matching.held_up)."""
+        return held_up(self.calls, min_wait_s=STRAGGLER_MIN_WAIT_S)
+
     def per_rank(self) -> list[tuple[int, float, float, int, float]]:
         """(rank, comm s, wait s, times it was the straggler, overlap fraction)."""
-        waits, slow = wait_by_rank(self.calls), straggler_counts(self.calls, min_wait_s=1e-3)
+        waits, slow = wait_by_rank(self.calls), straggler_counts(self.calls, min_wait_s=STRAGGLER_MIN_WAIT_S)
         rows = []
         for rank in self.ranks:
             mine = [e for e in self.events if e["rank"] == rank]
@@ -197,4 +234,5 @@ class StageSummary:
 
 def summarise_stage(stage_dir: Path) -> StageSummary:
     events = load_events(stage_dir)
-    return StageSummary(Path(stage_dir).name, events, match_calls(events), load_phase_times(stage_dir))
+    name, walls, metrics = Path(stage_dir).name, load_phase_times(stage_dir), load_metrics(stage_dir)
+    return StageSummary(name, events, match_calls(events), walls, metrics)

@@ -43,17 +43,25 @@ def load_events(stage_dir: Path) -> list[dict]:
     return [e for e in events if e["attempt"] == last[e["rank"], e["step"]]]
 
 
+def load_metrics(stage_dir: Path) -> list[dict]:
+    """The stage's metrics.jsonl lines (rank 0's), [] when it logged none."""
+    path = Path(stage_dir) / "metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def phase_times(row: dict) -> dict[str, float]:
+    """One metrics line's phase wall seconds, in the line's order (the order the phases ended)."""
+    return {
+        k.removeprefix(PHASE_TIME_PREFIX): float(v) for k, v in row.items() if k.startswith(PHASE_TIME_PREFIX)
+    }
+
+
 def load_phase_times(stage_dir: Path) -> dict[str, float]:
     """Total wall seconds per phase over the stage's steps (rank 0's metrics), {} when not logged."""
-    path = Path(stage_dir) / "metrics.jsonl"
     totals: dict[str, float] = {}
-    if not path.exists():
-        return totals
-    for row in read_jsonl(path):
-        for key, value in row.items():
-            if key.startswith(PHASE_TIME_PREFIX):
-                name = key.removeprefix(PHASE_TIME_PREFIX)
-                totals[name] = totals.get(name, 0.0) + float(value)
+    for row in load_metrics(stage_dir):
+        for name, seconds in phase_times(row).items():
+            totals[name] = totals.get(name, 0.0) + seconds
     return totals
 
 

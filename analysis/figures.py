@@ -25,6 +25,7 @@ def phase_split(s: StageSummary, path: Path) -> Path:
     names = [r[0] for r in rows]
     ax.barh(names, [r[3] * 1e3 for r in rows], label="compute")
     ax.barh(names, [r[2] * 1e3 for r in rows], left=[r[3] * 1e3 for r in rows], label="exposed communication")
+    ax.invert_yaxis()  # the step's first phase on top, as in the table
     ax.set_xlabel("ms (rank 0, whole stage)")
     ax.set_title(f"{s.name}: time by phase")
     ax.legend()
@@ -33,7 +34,7 @@ def phase_split(s: StageSummary, path: Path) -> Path:
 
 def comm_by_phase_op(s: StageSummary, path: Path, phases: list[str] | None = None, title: str = "") -> Path:
     table = s.by_phase_op()
-    phases = phases or sorted(table)
+    phases = phases or sorted(table, key=s.phase_key)
     ops = sorted({op for p in phases for op in table.get(p, {})})
     fig, ax = plt.subplots(figsize=(7, 0.5 + 0.4 * max(3, len(phases))))
     left = [0.0] * len(phases)
@@ -41,6 +42,7 @@ def comm_by_phase_op(s: StageSummary, path: Path, phases: list[str] | None = Non
         widths = [table.get(p, {}).get(op, 0.0) * 1e3 for p in phases]
         ax.barh(phases, widths, left=left, label=op)
         left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
     ax.set_xlabel("communication ms per rank")
     ax.set_title(title or f"{s.name}: communication by phase and operation")
     if ops:

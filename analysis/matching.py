@@ -70,10 +70,17 @@ def wait_by_rank(calls: list[MatchedCall]) -> dict[int, float]:
     return dict(waits)
 
 
+def held_up(calls: list[MatchedCall], min_wait_s: float = 0.0) -> dict[int, tuple[int, float]]:
+    """rank -> (how often it was the last to arrive with others waiting more than min_wait_s, the
+    seconds the others waited for it over every call it was the last to arrive at)."""
+    held: dict[int, tuple[int, float]] = {}
+    for call in calls:
+        waits = [call.wait(r) for r in call.events]
+        count, seconds = held.get(call.slow_rank, (0, 0.0))
+        held[call.slow_rank] = (count + (max(waits) > min_wait_s), seconds + sum(waits))
+    return held
+
+
 def straggler_counts(calls: list[MatchedCall], min_wait_s: float = 0.0) -> dict[int, int]:
     """How often each rank was the last to arrive (with others waiting more than min_wait_s)."""
-    counts: dict[int, int] = defaultdict(int)
-    for call in calls:
-        if max(call.wait(r) for r in call.events) > min_wait_s:
-            counts[call.slow_rank] += 1
-    return dict(counts)
+    return {rank: count for rank, (count, _) in held_up(calls, min_wait_s).items() if count}

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Protocol
 
 from analysis.bandwidth import bus_bandwidth
-from analysis.tables import Table, ms, size
+from analysis.tables import Table, elapsed, rate, size
 from core.rundir import RunDir
 
 TITLE = "NCCL Inspector (kernel timings)"
@@ -215,11 +215,11 @@ def summary_table(events: list[dict]) -> Table:
                 str(n),
                 bucket_label(low),
                 str(len(mine)),
-                ms(statistics.median(seconds)),
-                f"{statistics.median(busbw) / 1e9:.3f}",
+                elapsed(statistics.median(seconds)),
+                rate(statistics.median(busbw)),
             ]
         )
-    header = ["op", "ranks", "size", "calls (all ranks)", "median kernel ms", "median busbw GB/s"]
+    header = ["op", "ranks", "size", "calls (all ranks)", "median kernel time", "median busbw"]
     return Table(TITLE, header, rows)
 
 

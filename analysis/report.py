@@ -1,6 +1,7 @@
 """`hpcr1 report RUN_DIR [RUN_DIR ...]`: per stage, where communication time goes (by operation,
 phase and rank), as report/index.html (one self-contained file, figures embedded), report/report.md
-(the same tables) and the PNG figures."""
+(the same tables), the PNG figures and report/timeline.json (every call on one time axis, a Chrome
+trace: analysis/timeline.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-from analysis import figures, scaling
+from analysis import figures, headline, scaling, timeline
 from analysis.breakdown import StageSummary, summarise_stage
 from analysis.events import stage_dirs
 from analysis.nccl_inspector import add_section as inspector_section
 from analysis.nccl_transport import detect_in_logs
 from analysis.tables import Table, comparison_table, cross_stage_table, stage_tables
+from core.rundir import RunDir
 
 # After loading, the page counts its figures that failed to decode; a headless browser test reads
 # the count back from the DOM (data-broken-figures="0").
@@ -71,6 +73,15 @@ class Document:
         self.md.append(text + "\n")
         self.html.append(f"<p>{html.escape(text)}</p>")
 
+    def items(self, lines: list[str], ordered: bool = False) -> None:
+        self.md.append(
+            "\n".join(f"{f'{i}.' if ordered else '-'} {line}" for i, line in enumerate(lines, 1)) + "\n"
+        )
+        tag = "ol" if ordered else "ul"
+        self.html.append(
+            f"<{tag}>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + f"</{tag}>"
+        )
+
     def table(self, table: Table) -> None:
         self.md.append(table.markdown())
         self.html.append(table.html())
@@ -108,6 +119,33 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return ["/".join(r.parts[-depth:]) for r in run_dirs]
 
 
+def headline_section(doc: Document, runs: dict[str, list[StageSummary]]) -> None:
+    """The findings first (analysis/headline.py), so that a reader knows what the tables below show."""
+    doc.heading("Headline findings")
+    for run, stages in runs.items():
+        if len(runs) > 1:
+            doc.paragraph(f"Run {run}:")
+        doc.paragraph("Largest communication costs (operation in phase, time per rank over the stage):")
+        doc.items(headline.costliest(stages), ordered=True)
+        doc.items([headline.slowest_rank(stages), headline.most_exposed(stages)])
+
+
+def timeline_section(doc: Document, stages: list[StageSummary], run: str, path: Path) -> None:
+    timeline.write_timeline(stages, run, path)
+    doc.paragraph(
+        f"Timeline: {path.name}, every call of every rank on one time axis, in the Chrome trace format "
+        "(open it in ui.perfetto.dev or chrome://tracing): a process per stage and rank, with its steps "
+        "and phases (drawn from its calls), its calls, and an arrow from the first rank to reach each "
+        "collective to the last, the one the others waited for (analysis/timeline.py)."
+    )
+    large = timeline.large_stages(stages)
+    if large:
+        doc.paragraph(
+            f"{', '.join(large)}: more than {timeline.LARGE_STAGE:,} calls, all kept in the timeline, "
+            "which may load slowly."
+        )
+
+
 def scaling_section(doc: Document, run_dirs: list[Path], labels: list[str], out_dir: Path) -> None:
     stages, left_out = scaling.scaling(run_dirs, labels)
     doc.heading("Scaling")
@@ -133,6 +171,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     dirs = {label: stage_dirs(run) for label, run in zip(run_labels(run_dirs), run_dirs)}
     runs = {name: [summarise_stage(d) for d in stages] for name, stages in dirs.items()}
     doc = Document("Communication report: " + ", ".join(runs))
+    headline_section(doc, runs)
     doc.paragraph(
         "Times are wall-clock per rank. Waiting = how long a rank sat in a collective before the last "
         "rank arrived; the last to arrive is the slowest rank. Overlap counts only async calls "
@@ -143,6 +182,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
     for run, stages in runs.items():
         prefix = f"{run.replace('/', '_')}-" if len(runs) > 1 else ""
         doc.heading(f"Run {run}")
+        timeline_section(doc, stages, run, out_dir / f"{prefix}timeline.json")
         if stages:
             doc.table(cross_stage_table(stages))
         for s, stage_dir in zip(stages, dirs[run]):
@@ -170,6 +210,21 @@ def started_scales(sweep_dir: Path) -> list[Path]:
     return [run for run in listed if (run / "config.yaml").is_file()]
 
 
+def unusable(run: Path) -> str | None:
+    """Why `run` cannot be reported on, or None: a report of nothing would read as a run that did not
+    communicate."""
+    if not run.is_dir():
+        return f"not a run directory: {run} (no such directory)"
+    if not RunDir(run).config.is_file():
+        return f"not a run directory: {run} (no config.yaml)"
+    if not stage_dirs(run):
+        return (
+            f"no communication profile in {run} (<stage>/profile/rank-*.jsonl): no stage has run yet, "
+            "or they ran with profile.comm: false"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpcr1 report", description=__doc__)
     parser.add_argument(
@@ -186,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dirs[0] / "report"
     if len(args.run_dirs) == 1 and (args.run_dirs[0] / scaling.SWEEP_FILE).is_file():
         args.run_dirs = started_scales(args.run_dirs[0]) or parser.error("no scale of the sweep has started")
-    missing = [str(r) for r in args.run_dirs if not r.is_dir()]
-    if missing:
-        parser.error(f"not a run directory: {', '.join(missing)}")
+    problems = [why for why in map(unusable, args.run_dirs) if why]
+    if problems:
+        parser.error("; ".join(problems))
     bench = json.loads(args.commbench.read_text()) if args.commbench else None
     print(write_report(args.run_dirs, out, bench))
     return 0

@@ -29,7 +29,7 @@ import yaml
 from analysis import figures
 from analysis.events import load_events, read_jsonl
 from analysis.overlap import Interval, blocked, intersection
-from analysis.tables import Table
+from analysis.tables import Table, elapsed
 
 SWEEP_FILE = "sweep.json"  # written by pipeline/sweep.py
 
@@ -136,7 +136,7 @@ def scaling_tables(stages: dict[str, list[ScalePoint]]) -> list[Table]:
                 "GPUs",
                 "run",
                 "steps measured",
-                "step s",
+                "step time",
                 "samples/s",
                 "tokens/s",
                 "samples/s per GPU",
@@ -148,7 +148,7 @@ def scaling_tables(stages: dict[str, list[ScalePoint]]) -> list[Table]:
                     str(p.gpus),
                     p.run,
                     str(p.measured_steps),
-                    f"{p.step_s:.4f}",
+                    elapsed(p.step_s),
                     f"{p.samples_per_s:.2f}",
                     "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.1f}",
                     f"{p.per_gpu:.2f}",

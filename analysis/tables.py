@@ -4,6 +4,7 @@ hold the same numbers."""
 from __future__ import annotations
 
 import html
+import math
 from dataclasses import dataclass
 
 from analysis.breakdown import StageSummary, Volume
@@ -50,8 +51,34 @@ def size(nbytes: float) -> str:
     return ""
 
 
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f}"
+def significant(x: float, digits: int = 4) -> str:
+    """x with `digits` significant digits, trailing zeros kept so that a column's cells line up."""
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x)))) if x else 0
+    return f"{x:.{decimals}f}"
+
+
+def scaled(value: float, units: tuple[tuple[float, str], ...]) -> str:
+    """value in the largest unit (scale, name) it reaches, largest first; the last unit takes the rest.
+    Rounded to 4 significant digits first, so that 999.96 ms reads 1.000 s, not 1000 ms."""
+    value = float(f"{value:.4g}")
+    scale, unit = next(((s, u) for s, u in units if abs(value) >= s), units[-1])
+    return f"{significant(value / scale)} {unit}"
+
+
+TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs"))
+# Decimal, as nccl-tests and commbench report bus bandwidth (GB/s = 1e9 bytes a second).
+RATE_UNITS = ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "KB/s"), (1.0, "B/s"))
+
+
+def elapsed(seconds: float) -> str:
+    """A duration with its unit, the one that fits: 102.2 s, 16.88 ms, 952.3 µs; 0 for none. Every
+    time in the report's tables goes through here, so that no column has to say its unit."""
+    return scaled(seconds, TIME_UNITS) if seconds else "0"
+
+
+def rate(bytes_per_s: float) -> str:
+    """A bandwidth in the unit that fits (GB/s down to B/s); "-" when nothing was measured."""
+    return scaled(bytes_per_s, RATE_UNITS) if bytes_per_s else "-"
 
 
 def stage_tables(s: StageSummary) -> list[Table]:
@@ -62,26 +89,29 @@ def stage_tables(s: StageSummary) -> list[Table]:
         return Table(
             title,
             ["phase", *ops],
-            [[p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)] for p in sorted(phase_ops)],
+            [
+                [p, *(cell(phase_ops[p].get(op, Volume())) for op in ops)]
+                for p in sorted(phase_ops, key=s.phase_key)
+            ],
         )
 
     tables = [
         Table(
             "Time by phase (rank 0): compute and exposed communication",
-            ["phase", "wall ms", "exposed comm ms", "compute ms"],
-            [[p, ms(w), ms(c), ms(k)] for p, w, c, k in s.phase_split()],
+            ["phase", "wall", "exposed comm", "compute"],
+            [[p, elapsed(w), elapsed(c), elapsed(k)] for p, w, c, k in s.phase_split()],
         ),
         Table(
             "Communication by operation (per rank)",
-            ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
-            [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()],
+            ["op", "calls", "bytes", "time", "median busbw"],
+            [[op, str(n), size(b), elapsed(t), rate(bw)] for op, n, b, t, bw in s.by_op()],
         ),
-        by_phase("Communication time by phase and operation (ms per rank)", lambda v: ms(v.seconds)),
+        by_phase("Communication time by phase and operation (per rank)", lambda v: elapsed(v.seconds)),
         by_phase("Communication bytes by phase and operation (per rank)", lambda v: size(v.bytes)),
         Table(
             "Per rank: communication, waiting for stragglers, overlap",
-            ["rank", "comm ms", "wait ms", "times slowest", "overlap"],
-            [[str(r), ms(c), ms(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()],
+            ["rank", "comm", "wait", "times slowest", "overlap"],
+            [[str(r), elapsed(c), elapsed(w), str(n), f"{o:.0%}"] for r, c, w, n, o in s.per_rank()],
         ),
         Table(
             "Costliest calls",
@@ -91,13 +121,13 @@ def stage_tables(s: StageSummary) -> list[Table]:
                 "step",
                 "bytes",
                 "ranks",
-                "ms over ranks",
-                "transfer ms",
+                "time over ranks",
+                "transfer",
                 "slowest rank",
-                "others waited ms",
+                "others waited",
             ],
             [
-                [op, ph, str(st), size(b), str(n), ms(t), ms(tr), str(slow), ms(w)]
+                [op, ph, str(st), size(b), str(n), elapsed(t), elapsed(tr), str(slow), elapsed(w)]
                 for op, ph, st, b, n, t, tr, slow, w in s.top_calls()
             ],
         ),
@@ -111,7 +141,7 @@ def grpo_panel_table(s: StageSummary) -> Table:
     """The three GRPO phases side by side, the numbers of the three-panel figure."""
     panels = s.grpo_panels()
     ops = sorted({op for per in panels.values() for op in per})
-    header = ["op", *(f"{panel} {unit}" for panel in panels for unit in ("calls", "bytes", "ms"))]
+    header = ["op", *(f"{panel} {unit}" for panel in panels for unit in ("calls", "bytes", "time"))]
     rows = [
         [op, *(cell for per in panels.values() for cell in volume_cells(per.get(op, Volume())))] for op in ops
     ]
@@ -119,7 +149,7 @@ def grpo_panel_table(s: StageSummary) -> Table:
 
 
 def volume_cells(v: Volume) -> list[str]:
-    return [f"{v.calls:g}", size(v.bytes), ms(v.seconds)]
+    return [f"{v.calls:g}", size(v.bytes), elapsed(v.seconds)]
 
 
 def cross_stage_table(stages: list[StageSummary]) -> Table:
@@ -131,7 +161,7 @@ def cross_stage_table(stages: list[StageSummary]) -> Table:
                 s.name,
                 str(len(s.ranks)),
                 str(s.steps),
-                ms(s.comm_seconds_per_step()),
+                elapsed(s.comm_seconds_per_step()),
                 size(s.bytes_per_step()),
                 top,
                 f"{s.imbalance():.2f}",
@@ -139,7 +169,7 @@ def cross_stage_table(stages: list[StageSummary]) -> Table:
         )
     return Table(
         "Across stages",
-        ["stage", "ranks", "steps", "comm ms / step", "bytes / step", "costliest op", "imbalance (max/mean)"],
+        ["stage", "ranks", "steps", "comm / step", "bytes / step", "costliest op", "imbalance (max/mean)"],
         rows,
     )
 
@@ -153,12 +183,9 @@ def comparison_table(runs: dict[str, list[StageSummary]]) -> Table:
                     run,
                     s.name,
                     str(len(s.ranks)),
-                    ms(s.comm_seconds_per_step()),
+                    elapsed(s.comm_seconds_per_step()),
                     size(s.bytes_per_step()),
-                    *(
-                        f"{s.median_busbw(op) / 1e9:.3f}"
-                        for op in ("all_reduce", "all_gather", "reduce_scatter")
-                    ),
+                    *(rate(s.median_busbw(op)) for op in ("all_reduce", "all_gather", "reduce_scatter")),
                 ]
             )
     return Table(
@@ -167,11 +194,11 @@ def comparison_table(runs: dict[str, list[StageSummary]]) -> Table:
             "run",
             "stage",
             "ranks",
-            "comm ms / step",
+            "comm / step",
             "bytes / step",
-            "all_reduce busbw GB/s",
-            "all_gather busbw GB/s",
-            "reduce_scatter busbw GB/s",
+            "all_reduce busbw",
+            "all_gather busbw",
+            "reduce_scatter busbw",
         ],
         rows,
     )

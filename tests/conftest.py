@@ -135,6 +135,17 @@ def markdown_table(text: str, title: str) -> list[list[str]]:
     return markdown_tables(text.split(f"#### {title}\n", 1)[1])[0]
 
 
+SECONDS_PER_UNIT = {"s": 1.0, "ms": 1e-3, "µs": 1e-6}
+
+
+def seconds(cell: str) -> float:
+    """Inverse of analysis.tables.elapsed ("16.88 ms" -> 0.01688), good to the printed digits."""
+    if cell == "0":
+        return 0.0
+    number, unit = cell.split(" ")
+    return float(number) * SECONDS_PER_UNIT[unit]
+
+
 @pytest.fixture
 def torchrun():
     return run_torchrun

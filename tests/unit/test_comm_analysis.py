@@ -119,8 +119,12 @@ def test_on_cuda_a_call_on_a_side_stream_overlaps_and_time_counts_from_when_its_
     queued = {**ev(0, 0, 0.0, 4.0), "t_ready": 3.0}
     assert duration(queued) == pytest.approx(1.0)
     # Matching: rank 1's stream got there last (t_ready 3), though its host enqueued first.
-    calls = match_calls([{**ev(0, 0, 1.0, 4.0, ranks=(0, 1)), "t_ready": 2.0},
-                         {**ev(1, 0, 0.5, 4.0, ranks=(0, 1)), "t_ready": 3.0}])
+    calls = match_calls(
+        [
+            {**ev(0, 0, 1.0, 4.0, ranks=(0, 1)), "t_ready": 2.0},
+            {**ev(1, 0, 0.5, 4.0, ranks=(0, 1)), "t_ready": 3.0},
+        ]
+    )
     assert calls[0].slow_rank == 1 and calls[0].wait(0) == pytest.approx(1.0)
     assert calls[0].transfer_s == pytest.approx(1.0)
 
@@ -149,3 +153,16 @@ def test_per_step_figures_leave_out_setup_and_the_final_evaluation():
     assert summary.steps == 2
     assert summary.bytes_per_step() == 100
     assert summary.comm_seconds_per_step() == pytest.approx(0.01)
+
+
+def test_calls_in_a_group_of_one_do_not_count_toward_bus_bandwidth():
+    # megatron's tensor-parallel all-reduce at TP 1: a group of one, no byte crosses a link (bus
+    # factor 0); 3 of them per real 2-rank all-reduce must not make the median 0
+    def call(rank, seq, ranks):
+        return {**ev(rank, seq, 0.0, 1.0, ranks=ranks), "bytes": 10**6, "group_size": len(ranks)}
+
+    alone = [call(r, s, (r,)) for r in (0, 1) for s in range(3)]
+    together = [call(r, 0, (0, 1)) for r in (0, 1)]
+    events = alone + together
+    summary = StageSummary("stage1_sft", events, match_calls(events), {})
+    assert summary.median_busbw("all_reduce") == pytest.approx(bus_bandwidth("all_reduce", 10**6, 1.0, 2))

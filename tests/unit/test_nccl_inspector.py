@@ -23,7 +23,7 @@ from tests.conftest import markdown_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl_inspector"
 STAGE = "stage2_grpo"
-HEADER = ["op", "ranks", "size", "calls (all ranks)", "median kernel ms", "median busbw GB/s"]
+HEADER = ["op", "ranks", "size", "calls (all ranks)", "median kernel time", "median busbw"]
 
 
 def stage_with_dump(run: Path) -> Path:
@@ -140,12 +140,12 @@ def test_table_is_per_op_communicator_size_and_power_of_two_size(events):
     # all_reduce: 2000 and 2100 us -> 2.050 ms; busbw (234.881024 + 223.696213) / 2
     # reduce_scatter: 1250 and 1300 us -> 1.275 ms; busbw (93.952410 + 90.338855) / 2
     assert table.rows == [
-        ["all_gather", "8", "[128.00 MiB, 256.00 MiB)", "1", "1.000", "117.441"],
-        ["all_reduce", "8", "[256.00 MiB, 512.00 MiB)", "2", "2.050", "229.289"],
-        ["broadcast", "8", "[1.00 MiB, 2.00 MiB)", "1", "0.050", "20.972"],
-        ["recv", "2", "[4.00 MiB, 8.00 MiB)", "1", "0.100", "41.943"],
-        ["reduce_scatter", "8", "[128.00 MiB, 256.00 MiB)", "2", "1.275", "92.146"],
-        ["send", "2", "[4.00 MiB, 8.00 MiB)", "1", "0.100", "41.943"],
+        ["all_gather", "8", "[128.00 MiB, 256.00 MiB)", "1", "1.000 ms", "117.4 GB/s"],
+        ["all_reduce", "8", "[256.00 MiB, 512.00 MiB)", "2", "2.050 ms", "229.3 GB/s"],
+        ["broadcast", "8", "[1.00 MiB, 2.00 MiB)", "1", "50.00 µs", "20.97 GB/s"],
+        ["recv", "2", "[4.00 MiB, 8.00 MiB)", "1", "100.0 µs", "41.94 GB/s"],
+        ["reduce_scatter", "8", "[128.00 MiB, 256.00 MiB)", "2", "1.275 ms", "92.15 GB/s"],
+        ["send", "2", "[4.00 MiB, 8.00 MiB)", "1", "100.0 µs", "41.94 GB/s"],
     ]
 
 
@@ -172,7 +172,7 @@ def test_report_shows_the_inspector_table_of_a_stage_that_has_a_dump(tmp_path):
     assert TITLE not in sft
     rows = markdown_table(grpo, TITLE)
     assert rows[0] == HEADER
-    assert rows[2] == ["all_reduce", "8", "[256.00 MiB, 512.00 MiB)", "2", "2.050", "229.289"]
+    assert rows[2] == ["all_reduce", "8", "[256.00 MiB, 512.00 MiB)", "2", "2.050 ms", "229.3 GB/s"]
     assert "skipped 2 malformed or truncated lines: gpu-a01-pid4242.log (2)." in grpo
     assert "not read, no Inspector JSON record in them" in grpo and "GPU-0a1b2c3d.prom" in grpo
     assert "left out calls of operations we do not map: Invalid (1)" in grpo

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from analysis.report import write_report
-from tests.conftest import markdown_table, markdown_tables
+from analysis.tables import elapsed, rate
+from tests.conftest import markdown_table, markdown_tables, seconds
 
 RANKS = (0, 1)
 
@@ -146,8 +147,8 @@ def test_grpo_stage_gets_the_three_phase_panels_and_non_grpo_does_not(report):
     # write_stage: one all-reduce and one all-gather a phase and step, 3 steps;
     # the two ranks spend 25 + 5 ms a call
     assert rows == [
-        ["all_gather", *["3", "192.00 KiB", "45.000"] * 3],
-        ["all_reduce", *["3", "3.00 MiB", "45.000"] * 3],
+        ["all_gather", *["3", "192.00 KiB", "45.00 ms"] * 3],
+        ["all_reduce", *["3", "3.00 MiB", "45.00 ms"] * 3],
     ]
 
 
@@ -156,7 +157,7 @@ def test_bytes_by_phase_are_what_each_phase_sent(report):
     rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
     assert rows == [
         ["phase", "all_gather", "all_reduce"],
-        *([p, "192.00 KiB", "3.00 MiB"] for p in ("backward", "forward", "optimizer")),
+        *([p, "192.00 KiB", "3.00 MiB"] for p in ("forward", "backward", "optimizer")),  # step order
     ]
 
 
@@ -164,9 +165,9 @@ def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
     md = (report / "report.md").read_text()
     section = md.split("## Run ranks2\n")[1].split("### stage2_grpo")[0]
     per_rank = next(t for t in markdown_tables(section) if t[0][0] == "rank")
-    rows = {row[0]: row for row in per_rank[1:]}  # rank, comm ms, wait ms, times slowest, overlap
+    rows = {row[0]: row for row in per_rank[1:]}  # rank, comm, wait, times slowest, overlap
     assert rows["1"][3] == str(3 * 3 * 2) and rows["0"][3] == "0"
-    assert float(rows["0"][2]) == pytest.approx(18 * 20.0, rel=1e-3) and float(rows["1"][2]) == 0.0
+    assert rows["0"][2] == "360.0 ms" and rows["1"][2] == "0"
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -219,13 +220,34 @@ def test_hpcr1_hands_options_to_the_commands_own_parser(command, capsys):
     assert capsys.readouterr().out.startswith(f"usage: hpcr1 {command} ")
 
 
-def test_hpcr1_report_on_a_missing_directory_is_bad_input(tmp_path, capsys):
+def unprofiled_run(tmp_path: Path) -> Path:
+    """A run directory whose stage ran without the profiler: a config and metrics, no profile/."""
+    write_stage(tmp_path / "run", "stage1_sft", ["forward"])
+    shutil.rmtree(tmp_path / "run" / "stage1_sft" / "profile")
+    (tmp_path / "run" / "config.yaml").write_text("name: run\n")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize(
+    "make_dir,reason",
+    [
+        (lambda tmp: tmp / "missing", "not a run directory: {dir} (no such directory)"),
+        (lambda tmp: tmp, "not a run directory: {dir} (no config.yaml)"),
+        (unprofiled_run, "no communication profile in {dir}"),
+    ],
+    ids=["missing", "not-a-run", "no-profile"],
+)
+def test_hpcr1_report_on_what_it_cannot_report_is_bad_input_and_writes_nothing(
+    make_dir, reason, tmp_path, capsys
+):
     from pipeline.cli import main
 
+    run = make_dir(tmp_path)
     with pytest.raises(SystemExit) as done:
-        main(["report", "--out", str(tmp_path / "out"), str(tmp_path / "missing")])
-    assert done.value.code == 2 and "not a run directory" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+        main(["report", "--out", str(tmp_path / "out"), str(run)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and reason.format(dir=run) in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and not (run / "report").exists()
 
 
 def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path):
@@ -240,3 +262,52 @@ def test_runs_with_the_same_name_in_different_folders_are_both_reported(tmp_path
     assert {"site-a_runs_tiny-cpu-stage2_grpo-phases.png", "site-b_runs_tiny-cpu-stage2_grpo-phases.png"} <= {
         p.name for p in out.glob("*.png")
     }
+
+
+@pytest.mark.parametrize(
+    "seconds_in,text",
+    [
+        (102.19674, "102.2 s"),
+        (1.0, "1.000 s"),
+        (0.99996, "1.000 s"),  # rounds up into the next unit, not "1000 ms"
+        (0.016877, "16.88 ms"),
+        (0.0009523, "952.3 µs"),
+        (3e-8, "0.03000 µs"),
+        (0.0, "0"),
+    ],
+)
+def test_times_carry_the_unit_that_fits_their_size(seconds_in, text):
+    assert elapsed(seconds_in) == text and seconds(text) == pytest.approx(seconds_in, rel=1e-3, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "bytes_per_s,text",
+    [
+        (12.3e9, "12.30 GB/s"),
+        (4.56e6, "4.560 MB/s"),
+        (89_000.0, "89.00 KB/s"),
+        (12.0, "12.00 B/s"),
+        (0.0, "-"),  # no call measured
+    ],
+)
+def test_bandwidth_carries_the_unit_that_fits_its_size(bytes_per_s, text):
+    assert rate(bytes_per_s) == text
+
+
+def test_the_report_opens_with_each_runs_headline_findings_before_any_table(report):
+    md = (report / "report.md").read_text()
+    head = md.split("\n|", 1)[0]
+    first, again = head.split("## Headline findings\n", 1)[1].split("Run ranks2-again:")
+    for findings, late in ((first, 1), (again, 0)):
+        costs = [line for line in findings.splitlines() if line[:3] in ("1. ", "2. ", "3. ")]
+        assert len(costs) == 3 and all(" per rank, " in line for line in costs), findings
+        assert f"- Slowest rank: rank {late} of stage" in findings
+        assert "- Most exposed communication: " in findings
+
+
+def test_the_report_writes_each_runs_timeline_and_says_where(report):
+    md = (report / "report.md").read_text()
+    for run in ("ranks2", "ranks2-again"):
+        trace = json.loads((report / f"{run}-timeline.json").read_text())
+        assert trace["otherData"]["run"] == run and any(e["ph"] == "X" for e in trace["traceEvents"])
+        assert f"Timeline: {run}-timeline.json, " in md.split(f"## Run {run}\n", 1)[1].split("|", 1)[0]
