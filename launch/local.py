@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from core.rundir import RunDir
+from runtime.dist import free_port
 from runtime.rank_failure import TORCHRUN_FAILURES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
