@@ -76,6 +76,11 @@ def stage_tables(s: StageSummary) -> list[Table]:
             ["op", "calls", "bytes", "time ms", "median busbw GB/s"],
             [[op, str(n), size(b), ms(t), f"{bw:.3f}"] for op, n, b, t, bw in s.by_op()],
         ),
+        Table(
+            "Communication by source, backend and operation (per rank)",
+            ["source", "backend", "op", "calls", "bytes", "time ms"],
+            [[src, backend, op, str(n), size(b), ms(t)] for src, backend, op, n, b, t in s.by_origin()],
+        ),
         by_phase("Communication time by phase and operation (ms per rank)", lambda v: ms(v.seconds)),
         by_phase("Communication bytes by phase and operation (per rank)", lambda v: size(v.bytes)),
         Table(

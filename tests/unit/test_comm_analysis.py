@@ -135,3 +135,31 @@ def test_per_step_figures_leave_out_setup_and_the_final_evaluation():
     assert summary.steps == 2
     assert summary.bytes_per_step() == 100
     assert summary.comm_seconds_per_step() == pytest.approx(0.01)
+
+
+def test_communication_is_broken_down_by_who_made_it_and_what_carried_it():
+    def call(rank, seq, op, source, backend, nbytes):
+        return {
+            **ev(rank, seq, 0.0, 0.002, op=op, ranks=(0, 1)),
+            "source": source,
+            "backend": backend,
+            "bytes": nbytes,
+        }
+
+    events = [
+        call(r, seq, op, source, backend, nbytes)
+        for r in (0, 1)
+        for seq, op, source, backend, nbytes in (
+            (0, "broadcast", "mpi", "mpi", 29),  # the bootstrap's endpoint
+            (1, "broadcast", "torch.distributed", "gloo", 512),
+            (2, "broadcast", "torch.distributed", "gloo", 512),
+            (0, "all_reduce", "deepspeed", "gloo", 4096),
+        )
+    ]
+    rows = StageSummary("stage1_sft", events, match_calls(events), {}).by_origin()
+    assert [row[:5] for row in rows] == [
+        ("deepspeed", "gloo", "all_reduce", 1, 4096),
+        ("mpi", "mpi", "broadcast", 1, 29),
+        ("torch.distributed", "gloo", "broadcast", 2, 1024),
+    ]
+    assert [row[5] for row in rows] == pytest.approx([0.002, 0.002, 0.004])
