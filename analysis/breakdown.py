@@ -105,21 +105,26 @@ class StageSummary:
         return sum(e["bytes"] for e in self.step_events() if e["rank"] == self.ranks[0]) / self.steps
 
     def by_op(self) -> list[tuple]:
-        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth B/s)."""
-        rows = []
-        for op in sorted({e["op"] for e in self.events}):
-            mine = [e for e in self.events if e["op"] == op]
-            per_rank = max(1, len(self.ranks))
-            rows.append(
-                (
-                    op,
-                    len(mine) // per_rank,
-                    sum(e["bytes"] for e in mine) // per_rank,
-                    self.per_rank_mean(sum(duration(e) for e in mine)),
-                    self.median_busbw(op),
-                )
-            )
+        """(op, calls per rank, bytes per rank, seconds per rank, median bus bandwidth B/s), costliest
+        first."""
+        rows = [
+            (op, int(v.calls), int(v.bytes), v.seconds, self.median_busbw(op))
+            for op, v in self._volume_by(lambda e: e["op"])
+        ]
         return sorted(rows, key=lambda r: -r[3])
+
+    def by_origin(self) -> list[tuple]:
+        """(source, backend, op, calls per rank, bytes per rank, seconds per rank): who made the calls and
+        what carried them, e.g. mpi4py's rank discovery beside torch.distributed's calls on gloo."""
+        by = lambda e: (e["source"], e["backend"], e["op"])  # noqa: E731
+        return [(*key, int(v.calls), int(v.bytes), v.seconds) for key, v in self._volume_by(by)]
+
+    def _volume_by(self, key) -> list[tuple[object, Volume]]:
+        """(key, its calls' volume per rank) for each value of key(event), in key order."""
+        table: dict[object, Volume] = defaultdict(Volume)
+        for e in self.events:
+            table[key(e)].add(e)
+        return [(k, v.per_rank(max(1, len(self.ranks)))) for k, v in sorted(table.items())]
 
     def bandwidth_points(self, op: str) -> list[tuple[int, float]]:
         """(bytes, bus bandwidth B/s) for each call of `op`, one point per matched call."""

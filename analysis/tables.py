@@ -106,6 +106,11 @@ def stage_tables(s: StageSummary) -> list[Table]:
             ["op", "calls", "bytes", "time", "median busbw"],
             [[op, str(n), size(b), elapsed(t), rate(bw)] for op, n, b, t, bw in s.by_op()],
         ),
+        Table(
+            "Communication by source, backend and operation (per rank)",
+            ["source", "backend", "op", "calls", "bytes", "time"],
+            [[src, backend, op, str(n), size(b), elapsed(t)] for src, backend, op, n, b, t in s.by_origin()],
+        ),
         by_phase("Communication time by phase and operation (per rank)", lambda v: elapsed(v.seconds)),
         by_phase("Communication bytes by phase and operation (per rank)", lambda v: size(v.bytes)),
         Table(

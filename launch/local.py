@@ -1,22 +1,17 @@
-"""Running one stage on this machine: torchrun with N ranks of launch.worker."""
+"""Running one stage on this machine: N ranks of launch.worker under torchrun, or under mpirun (the
+ranks then find each other through MPI: runtime/mpi_bootstrap.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from core.rundir import RunDir
+from runtime.dist import free_port
 from runtime.rank_failure import TORCHRUN_FAILURES
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
@@ -35,6 +30,29 @@ def torchrun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
     ]
 
 
+def mpirun_command(run_dir: Path, stage_id: str, nproc: int) -> list[str]:
+    # --oversubscribe: N ranks whatever the cores, as torchrun starts them; -x: the variables a rank
+    # needs that mpirun hands only to the ranks on its own node otherwise.
+    return [
+        "mpirun",
+        "--oversubscribe",
+        "-np",
+        str(nproc),
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "OMP_NUM_THREADS",
+        sys.executable,
+        "-m",
+        "launch.worker",
+        str(run_dir),
+        stage_id,
+    ]
+
+
+LAUNCHERS = {"torchrun": torchrun_command, "mpirun": mpirun_command}
+
+
 def repo_env() -> dict[str, str]:
     """This environment with the repository importable by the rank processes."""
     env = dict(os.environ)
@@ -43,14 +61,16 @@ def repo_env() -> dict[str, str]:
     return env
 
 
-def run_stage_locally(run_dir: Path, stage_id: str, nproc: int, pass_fds: tuple[int, ...] = ()) -> int:
-    """Runs the stage to completion; returns torchrun's exit code. Rank logs go to <stage>/logs/.
-    `pass_fds`: descriptors torchrun inherits (the run directory's lock)."""
+def run_stage_locally(
+    run_dir: Path, stage_id: str, nproc: int, pass_fds: tuple[int, ...] = (), launcher: str = "torchrun"
+) -> int:
+    """Runs the stage to completion; returns the launcher's exit code (a key of LAUNCHERS). Rank logs go
+    to <stage>/logs/. `pass_fds`: descriptors the launcher inherits (the run directory's lock)."""
     env = repo_env()
     # One intra-op thread pool per rank sized to its share of the cores: oversubscription
     # (every rank using every core) makes gloo collectives and matmuls crawl.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return run_forwarding_usr1(torchrun_command(run_dir, stage_id, nproc), env, pass_fds)
+    return run_forwarding_usr1(LAUNCHERS[launcher](run_dir, stage_id, nproc), env, pass_fds)
 
 
 def run_forwarding_usr1(command: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:

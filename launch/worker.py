@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.comm_profiler import CommProfiler
     from runtime.context import StageContext
     from runtime.dist import discover_ranks, init_distributed, rank_device, shutdown_distributed
+    from runtime.mpi_profiler import CallLog
     from runtime.preemption import PREEMPTED_EXIT, install_handlers
     from runtime.rank_failure import record_exception
     from stages.kinds import STAGE_RUNNERS
@@ -64,14 +65,18 @@ def main(argv: list[str] | None = None) -> None:
     run = RunDir(Path(run_dir))
     terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
-    info = init_distributed()
+    bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
+    info = init_distributed(mpi_calls=bootstrap)
     logging.getLogger("hpcr1").info(
-        "rank %d of %d on %s (%s), host %s",
+        "rank %d of %d on %s (%s), host %s, master %s:%s, ranks from %s",
         info.rank,
         info.world_size,
         rank_device(),
         dist.get_backend(),
         socket.gethostname(),
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+        info.source,
     )
     install_handlers()
     attempt = Manifest(run.root).stage(stage_id)["attempts"]
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     preempted = False
     try:
         with profiler or contextlib.nullcontext():
+            if profiler is not None:
+                bootstrap.hand_to(profiler, phase="bootstrap")
             STAGE_RUNNERS[type(ctx.stage)](ctx)
     except Exception as e:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)

@@ -54,10 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcr1", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the stage graph here with torchrun, resuming what is there")
+    run = sub.add_parser("run", help="run the stage graph here (torchrun or mpirun), resuming what is there")
     run.add_argument("config")
     run.add_argument("--run-dir", help="default: runs/<name>")
     run.add_argument("--only", help="comma-separated stage ids")
+    add_launcher_option(run)
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     run.set_defaults(func=cmd_run)
 
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("run_dir")
     rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
     rs.add_argument("--nodes", type=int, default=1)
+    add_launcher_option(rs)
     rs.set_defaults(func=cmd_resume)
 
     cn = sub.add_parser("cancel", help="cancel a run's queued and running Slurm jobs")
@@ -146,6 +148,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_launcher_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--launcher",
+        choices=("torchrun", "mpirun"),
+        default="torchrun",
+        help="what starts a stage's ranks here (mpirun: they find each other through MPI)",
+    )
+
+
 def _delegate(module: str, argv: list[str]) -> int:
     """Commands whose own parser lives with their module."""
     import importlib
@@ -159,17 +170,27 @@ def cmd_run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
-    rc = run_here(cfg, run, Path(args.config).parent, args.only.split(",") if args.only else None)
+    only = args.only.split(",") if args.only else None
+    rc = run_here(cfg, run, Path(args.config).parent, only, args.launcher)
     if rc == 0:
         print(f"run directory: {run.root}")
     return rc
 
 
-def run_here(cfg, run, base: Path, only: list[str] | None = None) -> int:
-    """Run the stage graph on this machine; the exit code says how it ended."""
+def run_here(cfg, run, base: Path, only: list[str] | None = None, launcher: str = "torchrun") -> int:
+    """Run the stage graph on this machine, each stage's ranks started by `launcher`; the exit code
+    says how it ended."""
+    import functools
+    import shutil
+
+    from core.config import ConfigError
+    from launch.local import run_stage_locally
     from pipeline.driver import run_pipeline
 
-    return stages_exit_code(lambda: run_pipeline(cfg, run, base, only))
+    if launcher == "mpirun" and shutil.which("mpirun") is None:  # torchrun comes with torch
+        raise ConfigError("--launcher", "mpirun is not on PATH (Open MPI: make system-packages)")
+    start = functools.partial(run_stage_locally, launcher=launcher)
+    return stages_exit_code(lambda: run_pipeline(cfg, run, base, only, launcher=start))
 
 
 def stages_exit_code(run_stages) -> int:
@@ -233,7 +254,7 @@ def cmd_resume(args) -> int:
     if args.cluster:
         submit(cfg, run, run.root, load_profile(args.cluster), args.nodes, dry_run=False)
         return 0
-    return run_here(cfg, run, run.root)
+    return run_here(cfg, run, run.root, launcher=args.launcher)
 
 
 def cmd_cancel(args) -> int:

@@ -1,7 +1,9 @@
 """Rank and world discovery, and process-group initialisation.
 
-Ranks come from torchrun's env, then Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), then
-Open MPI's (OMPI_COMM_WORLD_*), in that order (docs/design.md, Processes).
+Ranks come from torchrun's env, then Slurm's (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), then an MPI
+launcher's (Open MPI's OMPI_COMM_WORLD_*, MPICH's PMI_*), in that order (docs/design.md, Processes).
+Under an MPI launcher (mpirun, mpiexec, srun --mpi=pmix) without torchrun, init_distributed asks MPI
+instead (runtime/mpi_bootstrap.py): the environment gives no address for the rendezvous.
 
 One device per rank: the machine's accelerator (torch.accelerator: CUDA, or any device registered
 as PyTorch's accelerator) at the rank's local index, else the CPU. The default group uses that
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -27,22 +30,45 @@ class RankInfo:
     source: str  # which environment the ranks came from: torchrun, slurm, mpi, single
 
 
+# (rank, size, local rank) variables of the MPI launchers: Open MPI's mpirun, MPICH's (hydra) mpiexec.
+MPI_RANK_ENVS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+# Set for every rank an MPI launcher starts; PMIx's (srun --mpi=pmix) has no size beside it.
+MPI_LAUNCHED_BY = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+
+
 def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
+    """The ranks as the launcher's environment tells them, without starting anything (the worker
+    names its log by this rank before it joins the group)."""
     env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
+    if under_torchrun(env):
         return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "OMPI_COMM_WORLD_RANK" not in env:
         return RankInfo(
             int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "slurm"
         )
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return RankInfo(
-            int(env["OMPI_COMM_WORLD_RANK"]),
-            int(env["OMPI_COMM_WORLD_SIZE"]),
-            int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
-            "mpi",
-        )
+    for rank, size, local in MPI_RANK_ENVS:
+        if rank in env and size in env:
+            return RankInfo(int(env[rank]), int(env[size]), int(env.get(local, 0)), "mpi")
     return RankInfo(0, 1, 0, "single")
+
+
+def under_torchrun(env: dict[str, str]) -> bool:
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def under_mpi(env: dict[str, str]) -> bool:
+    """Started by an MPI launcher, and not through torchrun (which an srun task may run)."""
+    return not under_torchrun(env) and any(name in env for name in MPI_LAUNCHED_BY)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS's pick), for a rendezvous to listen on."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def accelerator_type() -> str | None:
@@ -85,18 +111,32 @@ def default_backend() -> str:
     return dist.get_default_backend_for_device(accelerator_type() or "cpu")
 
 
-def init_distributed(backend: str | None = None) -> RankInfo:
-    """Initialise the default process group from the discovered ranks (idempotent)."""
-    info = discover_ranks()
+def init_distributed(backend: str | None = None, mpi_calls=None) -> RankInfo:
+    """Initialise the default process group from the discovered ranks (idempotent). `mpi_calls`: where
+    the MPI bootstrap's calls are kept for the profiler (a runtime.mpi_profiler.CallLog), if any."""
     if dist.is_initialized():
-        return info
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    # DeepSpeed and megatron read the torchrun variables; under srun or mpirun only ours know them.
-    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
+        return discover_ranks()
+    info = rendezvous(mpi_calls)
     if accelerator_type() is not None:
         torch.accelerator.set_device_index(device_index(info.local_rank, torch.accelerator.device_count()))
     dist.init_process_group(backend or default_backend(), rank=info.rank, world_size=info.world_size)
+    return info
+
+
+def rendezvous(mpi_calls=None) -> RankInfo:
+    """This rank, and the master endpoint in MASTER_ADDR/MASTER_PORT: from MPI under an MPI launcher,
+    else from the environment (127.0.0.1:29500 unless set). The ranks also go into torchrun's
+    variables, which DeepSpeed and megatron read: under srun or mpirun only ours know them."""
+    if under_mpi(os.environ):
+        from runtime.mpi_bootstrap import mpi_rendezvous
+
+        info, (addr, port) = mpi_rendezvous(os.environ, mpi_calls)
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    else:
+        info = discover_ranks()
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     return info
 
 

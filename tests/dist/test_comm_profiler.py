@@ -16,6 +16,7 @@ import pytest
 
 from analysis.breakdown import summarise_stage
 from analysis.events import load_events, read_jsonl
+from runtime.mpi_profiler import pickled_size
 from tests.conftest import REPO, SMALL_RUN, hpcr1_run, run_torchrun
 
 pytestmark = pytest.mark.dist
@@ -156,6 +157,7 @@ def test_mpi_calls_are_recorded_with_their_sizes(tmp_path):
         assert seen["Send_Recv"] == (("send", "recv")[rank], doubles, "mpi")
         assert seen["Barrier"] == ("barrier", 0, "mpi")
         assert seen["bcast_object"][1] > 0
+        assert seen["allgather_object"] == ("all_gather", pickled_size("x") + pickled_size("xx"), "mpi")
 
 
 def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):

@@ -166,3 +166,31 @@ def test_calls_in_a_group_of_one_do_not_count_toward_bus_bandwidth():
     events = alone + together
     summary = StageSummary("stage1_sft", events, match_calls(events), {})
     assert summary.median_busbw("all_reduce") == pytest.approx(bus_bandwidth("all_reduce", 10**6, 1.0, 2))
+
+
+def test_communication_is_broken_down_by_who_made_it_and_what_carried_it():
+    def call(rank, seq, op, source, backend, nbytes):
+        return {
+            **ev(rank, seq, 0.0, 0.002, op=op, ranks=(0, 1)),
+            "source": source,
+            "backend": backend,
+            "bytes": nbytes,
+        }
+
+    events = [
+        call(r, seq, op, source, backend, nbytes)
+        for r in (0, 1)
+        for seq, op, source, backend, nbytes in (
+            (0, "broadcast", "mpi", "mpi", 29),  # the bootstrap's endpoint
+            (1, "broadcast", "torch.distributed", "gloo", 512),
+            (2, "broadcast", "torch.distributed", "gloo", 512),
+            (0, "all_reduce", "deepspeed", "gloo", 4096),
+        )
+    ]
+    rows = StageSummary("stage1_sft", events, match_calls(events), {}).by_origin()
+    assert [row[:5] for row in rows] == [
+        ("deepspeed", "gloo", "all_reduce", 1, 4096),
+        ("mpi", "mpi", "broadcast", 1, 29),
+        ("torch.distributed", "gloo", "broadcast", 2, 1024),
+    ]
+    assert [row[5] for row in rows] == pytest.approx([0.002, 0.002, 0.004])

@@ -28,6 +28,7 @@ def main(out_dir: str) -> None:
         "Send_Recv": lambda: comm.Send(x, dest=1) if rank == 0 else comm.Recv(out, source=0),
         "Barrier": lambda: comm.Barrier(),
         "bcast_object": lambda: comm.bcast({"master": "10.0.0.1:29500"}, root=0),
+        "allgather_object": lambda: comm.allgather("x" * (rank + 1)),  # pieces of unlike sizes
     }
     with CommProfiler(Path(out_dir), "mpi", rank):
         for name, call in calls.items():
