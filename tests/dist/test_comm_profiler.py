@@ -169,8 +169,10 @@ def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):
         recorded = [e for e in events if e["rank"] == rank]
         fields = ("phase", "op", "bytes", "dtype", "group_ranks", "seq")
         assert [tuple(e[f] for f in fields) for e in parsed] == [tuple(e[f] for f in fields) for e in recorded]
-        for p, r in zip(parsed, recorded):  # same clock: the trace's base time is wall-clock
-            assert abs(p["t_start"] - r["t_start"]) < 0.005 and abs(p["t_end"] - r["t_end"]) < 0.02
+        # Same clock: the trace's base time is wall-clock. A different clock would be off by far more
+        # than the 20 ms a loaded 2-core machine can put between the trace's stamp and ours.
+        for p, r in zip(parsed, recorded):
+            assert abs(p["t_start"] - r["t_start"]) < 0.02 and abs(p["t_end"] - r["t_end"]) < 0.02
 
 
 def test_commbench_writes_latency_and_bus_bandwidth_per_op_and_size(tmp_path):
