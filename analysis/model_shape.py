@@ -118,7 +118,8 @@ def tiny_shape(t: TinyModel) -> LlamaShape:
 
 
 def model_shape(cfg: RunConfig, config_dir: Path) -> LlamaShape:
-    """The base model's shape: built from `model.tiny`, or read from `model.path`/config.json."""
+    """The base model's shape: built from `model.tiny`, or read from the config.json of `model.path`
+    (or of `model.shape` while `path` has no model yet)."""
     if cfg.model.source == "tiny":
         return tiny_shape(cfg.model.tiny)
-    return shape_from_hf_config(hf_config_json(cfg, config_dir))
+    return shape_from_hf_config(hf_config_json(cfg, config_dir, shape_will_do=True))

@@ -59,6 +59,10 @@ class ModelConfig(Section):
     directory."""
     path: str | None = None
     """Hugging Face model directory (config.json, safetensors, tokenizer) when source is 'hf'."""
+    shape: str | None = None
+    """A directory holding the model's config.json alone (configs/models/ has the Llama 3.x family),
+    relative to the config file: what `hpcr1 plan` reads while `path` holds no model yet. A run
+    reads `path`."""
     tiny: TinyModel = TinyModel()
     """Architecture of the locally built model when source is 'tiny'."""
 
@@ -381,7 +385,8 @@ def engine_of(stage: SFTStage | GRPOStage | SynthStage) -> str:
 
 
 def load_config(path: str | Path, overrides: list[str] = (), data_files: bool = True) -> RunConfig:
-    """`data_files=False` skips checking that the data files exist (the planner reads no data)."""
+    """`data_files=False` is for planning: the data files need not exist, and the model's shape may
+    come from `model.shape` while `model.path` holds no model yet (the planner reads neither)."""
     raw = _read_yaml(Path(path))
     for item in overrides:
         _apply_override(raw, item)
@@ -412,7 +417,7 @@ def _with_absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
     data = cfg.data.model_copy(
         update={k: absolute(getattr(cfg.data, k)) for k in ("sft_file", "prompts_file", "eval_file")}
     )
-    model = cfg.model.model_copy(update={"path": absolute(cfg.model.path)})
+    model = cfg.model.model_copy(update={k: absolute(getattr(cfg.model, k)) for k in ("path", "shape")})
     return cfg.model_copy(update={"data": data, "model": model})
 
 
@@ -502,19 +507,27 @@ def _apply_override(raw: dict, item: str) -> None:
         raise ConfigError(key, f"override value {value!r} is not valid YAML") from None
 
 
-def hf_config_json(cfg: RunConfig, base: Path) -> Path:
-    """The config.json of the Hugging Face model directory `model.path` (relative to `base`)."""
+def hf_config_json(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> Path:
+    """The config.json of the Hugging Face model directory `model.path` (relative to `base`), or,
+    where a shape will do (planning) and `path` has none yet, of `model.shape`."""
+    found = cfg.model.path is not None and (resolve_path(base, cfg.model.path) / "config.json").is_file()
+    if shape_will_do and not found and cfg.model.shape is not None:
+        config_json = resolve_path(base, cfg.model.shape) / "config.json"
+        if not config_json.is_file():
+            raise ConfigError("model.shape", f"{config_json} not found (a directory with config.json)")
+        return config_json
     if cfg.model.path is None:
         raise ConfigError("model.path", "required when model.source is 'hf'")
     config_json = resolve_path(base, cfg.model.path) / "config.json"
     if not config_json.is_file():
+        hint = "; to plan before the weights are there, set model.shape" if shape_will_do else ""
         raise ConfigError(
-            "model.path", f"{config_json} not found (a Hugging Face model directory is expected)"
+            "model.path", f"{config_json} not found (a Hugging Face model directory is expected){hint}"
         )
     return config_json
 
 
-def model_dims(cfg: RunConfig, base: Path) -> dict:
+def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
     """Heads, KV heads, layers and vocabulary of the base model, for layout checks."""
     if cfg.model.source == "tiny":
         t = cfg.model.tiny
@@ -525,7 +538,7 @@ def model_dims(cfg: RunConfig, base: Path) -> dict:
             "num_hidden_layers": t.num_layers,
             "vocab_size": 128,
         }
-    hf = json.loads(hf_config_json(cfg, base).read_text())
+    hf = json.loads(hf_config_json(cfg, base, shape_will_do).read_text())
     return {
         k: hf.get(k, hf.get("num_attention_heads"))
         for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
@@ -549,7 +562,7 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
             value = getattr(cfg.data, name)
             if value is None or not resolve_path(base, value).is_file():
                 raise ConfigError(f"data.{name}", f"file {value!r} not found")
-    dims = model_dims(cfg, base)
+    dims = model_dims(cfg, base, shape_will_do=not data_files)
     if not cfg.stages():
         raise ConfigError("stage1_sft", "no stage is configured: the graph is empty")
     earlier: list[str] = []

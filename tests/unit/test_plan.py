@@ -107,8 +107,18 @@ CONFIG_70B, CONFIG_8B = REPO / "configs/llama-3.3-70b-perlmutter.yaml", REPO / "
 
 
 def shipped_plan(capsys, tmp_path, config, cluster, model, *overrides) -> dict:
-    args = ["--cluster", cluster, f"model.path={MODELS / model}", *overrides]
-    return plan_json(capsys, tmp_path, str(config), *args)
+    """The plan of a shipped config as shipped (its model.shape is `model`'s directory)."""
+    plan = plan_json(capsys, tmp_path, str(config), "--cluster", cluster, *overrides)
+    assert plan["params"] == PUBLISHED[model]
+    return plan
+
+
+@pytest.mark.parametrize("config", [CONFIG_8B, CONFIG_70B])
+@pytest.mark.parametrize("cluster", ["perlmutter", "perlmutter-80g"])
+def test_shipped_configs_plan_as_shipped_on_both_perlmutter_node_kinds(capsys, tmp_path, config, cluster):
+    """model.path points at weights that are not here; model.shape's config.json stands in."""
+    assert main(["plan", str(config), "--cluster", cluster, "--out", str(tmp_path / "p.md")]) == 0
+    assert "GPU total" in (tmp_path / "p.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -213,9 +223,13 @@ def test_bad_plan_input_exits_2_naming_the_field(capsys, tmp_path, args, field):
     assert not (tmp_path / "p.md").exists()
 
 
-def test_plan_of_an_hf_config_without_config_json_names_model_path(capsys, tmp_path):
-    assert main(["plan", str(REPO / "configs/llama-3.1-8b.yaml"), "--out", str(tmp_path / "p.md")]) == 2
-    assert "model.path" in capsys.readouterr().err
+@pytest.mark.parametrize("shape, field", [("null", "model.path"), (str(REPO / "configs"), "model.shape")])
+def test_plan_of_an_hf_config_without_config_json_names_the_field(capsys, tmp_path, shape, field):
+    """No shape and no model at model.path, or a shape directory without config.json."""
+    argv = ["plan", str(CONFIG_8B), f"model.shape={shape}", "--out", str(tmp_path / "p.md")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"hpcr1: error: {field}:" in err and "Traceback" not in err
 
 
 SHAPE_8B = shape_from_hf_config(MODELS / "llama-3.1-8b" / "config.json")
