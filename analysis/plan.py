@@ -150,9 +150,10 @@ def judge(stage, layout: Layout, fp: Footprint, machine: Machine) -> tuple[str, 
     """The verdict's tier and its caveats."""
     if not fits(fp, machine):
         return NO_FIT, ()
-    needs = unsettable(stage, layout)
+    needs = unsettable(stage, layout)  # SFT's offload among them
     offload = () if isinstance(stage, SFTStage) else offload_caveats(layout)
-    caveats = offload + tuple(f"{n} (no SFT option yet)" for n in needs) + headroom_caveats(fp, machine)
+    needs = (f"{' and '.join(needs)} (no SFT option yet)",) if needs else ()
+    caveats = offload + needs + headroom_caveats(fp, machine)
     return (CAVEAT if caveats else FITS), caveats
 
 

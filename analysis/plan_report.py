@@ -9,6 +9,7 @@ from analysis.memory import ASSUMPTIONS, GB
 from analysis.model_shape import LlamaShape
 from analysis.plan import (
     CAVEAT,
+    FITS,
     GPU_USABLE,
     HEADROOM,
     HOST_USABLE,
@@ -85,8 +86,10 @@ def formulas(option: Option) -> list[str]:
 
 
 def shown_option(p: StagePlan) -> Option:
-    """The row whose formulas are spelled out: the smallest that fits, else the largest planned."""
-    return next((o for o in p.options if o.verdict != NO_FIT), p.options[-1])
+    """The row whose formulas are spelled out: the smallest that fits without caveat, else with one,
+    else the largest planned."""
+    fitting = (o for verdict in (FITS, CAVEAT) for o in p.options if o.verdict == verdict)
+    return next(fitting, p.options[-1])
 
 
 def option_line(p: StagePlan, o: Option, machine: Machine) -> str:
@@ -97,8 +100,8 @@ def option_line(p: StagePlan, o: Option, machine: Machine) -> str:
     if fp.host_bytes() > machine.usable_host:
         why += f"; host memory: more than the {gb(machine.usable_host)} GB usable a node"
     return (
-        f"{layout_text(p.kind, o)}: {o.verdict_text} ({gb(fp.gpu_bytes())} GB per GPU{peak}, "
-        f"{gb(fp.host_bytes())} GB host per node{why})"
+        f"{layout_text(p.kind, o)}: {o.verdict_text} — {gb(fp.gpu_bytes())} GB per GPU{peak}, "
+        f"{gb(fp.host_bytes())} GB host per node{why}"
     )
 
 

@@ -188,10 +188,10 @@ def test_summary_line_names_the_engine_its_settings_and_the_verdict(capsys, tmp_
     start = out.index(next(line for line in out if line.startswith("stage2_grpo [")))
     assert out[start : start + 4] == [
         "stage2_grpo [verl fsdp, vllm tp2 gmu0.5, micro-batch 8, offload: none]: min_gpus 16",
-        "  as configured at nproc=16: fsdp16 +recompute, rollout tp2 gmu0.5 micro8: fits (27.50 GB per GPU "
-        "(peak: generation), 56.15 GB host per node)",
-        "  planned at nproc=16: fsdp16 +recompute, rollout tp1 gmu0.6 micro8: fits (31.79 GB per GPU "
-        "(peak: generation), 56.15 GB host per node)",
+        "  as configured at nproc=16: fsdp16 +recompute, rollout tp2 gmu0.5 micro8: fits — 27.50 GB per GPU "
+        "(peak: generation), 56.15 GB host per node",
+        "  planned at nproc=16: fsdp16 +recompute, rollout tp1 gmu0.6 micro8: fits — 31.79 GB per GPU "
+        "(peak: generation), 56.15 GB host per node",
         "  planned settings (--write-overrides): stage2_grpo.verl.param_offload=false "
         "stage2_grpo.verl.optimizer_offload=false stage2_grpo.verl.rollout_tp=1 "
         "stage2_grpo.verl.micro_batch_size_per_gpu=8 stage2_grpo.verl.gpu_memory_utilization=0.6",
