@@ -20,11 +20,11 @@ from analysis.plan import (
     overrides,
     setting_lines,
 )
-from analysis.plan_search import ORDER
+from analysis.plan_search import ORDER, REFERENCES
 from analysis.tables import Table
 
 SEARCH_ORDER = (
-    "Search order, the engines' tuning guides' (the first candidate that fits without caveat wins; "
+    "Search order, from the engines' tuning guides (the first candidate that fits without caveat wins; "
     "a rule only breaks the ties of the rules above it)"
 )
 
@@ -135,13 +135,15 @@ def header_lines(name: str, shape: LlamaShape, machine: Machine) -> list[str]:
 
 
 def order_lines(plans: list[StagePlan]) -> list[str]:
-    """The search's preference rules of the engines in the plan, the first rule the strongest."""
+    """The search's preference rules of the engines in the plan, the first rule the strongest, and
+    the documents they come from."""
+    keys = list(dict.fromkeys(p.search for p in plans))
     lines = []
-    for key in dict.fromkeys(p.search for p in plans):
-        rules = ORDER[key]
-        lines.append(f"{key}:" + " planned as configured" * (not rules))
-        lines += [f"  {i}. {r.prefer}: {r.why} ({r.source})" for i, r in enumerate(rules, 1)]
-    return lines
+    for key in keys:
+        lines.append(f"{key}:" + " planned as configured" * (not ORDER[key]))
+        lines += [f"  {i}. {r.prefer}: {r.why} [{'; '.join(r.sources)}]" for i, r in enumerate(ORDER[key], 1)]
+    cited = dict.fromkeys(s.split(":")[0] for key in keys for r in ORDER[key] for s in r.sources)
+    return lines + ["references:", *(f"  [{tag}] {REFERENCES[tag]}" for tag in cited)]
 
 
 def stage_parts(p: StagePlan, machine: Machine, markdown: bool) -> list[str]:
@@ -170,7 +172,14 @@ def render_markdown(name: str, shape: LlamaShape, machine: Machine, plans: list[
     parts = [f"# Memory plan: {name}", "", *(f"{line}  " for line in header_lines(name, shape, machine)), ""]
     for p in plans:
         parts += stage_parts(p, machine, markdown=True)
-    parts += ["## Search order", "", f"{SEARCH_ORDER}.", "", *order_lines(plans), ""]
+    parts += [
+        "## Search order",
+        "",
+        f"{SEARCH_ORDER}.",
+        "",
+        *(f"    {line}" for line in order_lines(plans)),
+        "",
+    ]
     parts += ["## Assumptions", "", *(f"- {a}" for a in ASSUMPTIONS)]
     return "\n".join(parts) + "\n"
 
@@ -233,5 +242,6 @@ def plan_json(name: str, shape: LlamaShape, machine: Machine, plans: list[StageP
         "stages": {p.stage_id: stage_json(p) for p in plans},
         "overrides": {"nproc": nproc, "lines": lines, "left_as_configured": left},
         "search_order": {key: [vars(r) for r in rules] for key, rules in ORDER.items()},
+        "references": REFERENCES,
         "assumptions": list(ASSUMPTIONS),
     }

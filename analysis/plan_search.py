@@ -17,25 +17,21 @@ from analysis.memory import Layout
 from analysis.model_shape import LlamaShape
 from core.config import GRPOStage, SFTStage, SynthStage
 
-VERL_TUNING = "verl, Performance Tuning Guide: https://verl.readthedocs.io/en/latest/perf/perf_tuning.html"
-VERL_PRACTICES = "verl, LLM Best Practices: https://verl.readthedocs.io/en/latest/perf/best_practices.html"
-HF_DEEPSPEED = (
-    "Hugging Face Transformers, DeepSpeed integration, 'How to Choose Which ZeRO Stage and Offloads "
-    "To Use For Best Performance': https://huggingface.co/docs/transformers/v4.30.0/main_classes/deepspeed"
-)
-DEEPSPEED_ZERO = "DeepSpeed, ZeRO: https://deepspeed.readthedocs.io/en/stable/zero3.html"
-MEGATRON = (
-    "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
-    "Megatron-LM (SC21), takeaway 1: https://arxiv.org/abs/2104.04473"
-)
-RECOMPUTE = (
-    "Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models: "
-    "https://arxiv.org/abs/2205.05198"
-)
-OUR_CONFIG = "core/config.py, GRPOStage.data_parallel and reshard_after_forward"
+# The documents each rule comes from, by the tag the rules cite.
+REFERENCES = {
+    "verl-tuning": "verl, Performance Tuning Guide: https://verl.readthedocs.io/en/latest/perf/perf_tuning.html",
+    "verl-practices": "verl, LLM Best Practices: https://verl.readthedocs.io/en/latest/perf/best_practices.html",
+    "hf-deepspeed": "Hugging Face Transformers, DeepSpeed integration, 'How to Choose Which ZeRO Stage and "
+    "Offloads To Use For Best Performance': https://huggingface.co/docs/transformers/v4.30.0/main_classes/deepspeed",
+    "megatron-sc21": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
+    "Megatron-LM (SC21), takeaway 1: https://arxiv.org/abs/2104.04473",
+    "recompute": "Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models: "
+    "https://arxiv.org/abs/2205.05198",
+    "config": "core/config.py: GRPOStage.data_parallel and reshard_after_forward",
+}
 
 # verl: "a value between 0.5 and 0.7 often strikes a good balance" without offload, "0.8-0.9 is
-# common" with it (VERL_TUNING, VERL_PRACTICES); 0.4 for GPUs the actor's states crowd.
+# common" with it (verl-tuning, verl-practices); 0.4 for GPUs the actor's states crowd.
 GPU_MEMORY_UTILIZATION = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
 # (param_offload, optimizer_offload): none, then the optimizer's states alone (moved for the update
 # only), then the parameters (moved around every phase), then both.
@@ -46,69 +42,80 @@ VERL_OFFLOADS = ((False, False), (False, True), (True, False), (True, True))
 class Rule:
     prefer: str
     why: str
-    source: str
+    sources: tuple[str, ...]
+    """REFERENCES' tags (a section named after a colon)."""
 
 
-OFFLOAD_RULE = Rule(
-    "no CPU offload, else the optimizer's states before the parameters",
-    "offloaded states cross PCIe every step; the guides offload only when GPU memory runs out",
-    f"{HF_DEEPSPEED}; {VERL_PRACTICES} (param_offload / optimizer_offload)",
-)
 ROLLOUT_TP_RULE = Rule(
     "smaller rollout TP, within a node",
-    "more vLLM replicas: data parallelism yields more throughput than TP; `hpcr1 submit` refuses a "
-    "rollout_tp that does not divide a node's GPUs",
-    f"{VERL_TUNING} (Rollout Generation Tuning)",
+    "more vLLM replicas, and data parallelism yields more throughput than TP; `hpcr1 submit` refuses "
+    "a rollout_tp that does not divide a node's GPUs",
+    ("verl-tuning: Rollout Generation Tuning",),
 )
 GMU_RULE = Rule(
     "higher gpu_memory_utilization, 0.9 down to 0.4",
     "a larger KV cache keeps more sequences decoding at once",
-    f"{VERL_TUNING} (Rollout Generation Tuning); {VERL_PRACTICES}",
+    ("verl-tuning: Rollout Generation Tuning", "verl-practices"),
 )
 
 ORDER: dict[str, tuple[Rule, ...]] = {
     "sft": (
-        OFFLOAD_RULE,
+        Rule(
+            "no CPU offload of the optimizer",
+            "ZeRO-Offload runs Adam on the CPU and moves the gradients over PCIe every step",
+            ("hf-deepspeed",),
+        ),
         Rule(
             "smaller tensor parallel, within a node",
             "TP all-reduces activations in every layer's forward and backward; across nodes it is slowest",
-            MEGATRON,
+            ("megatron-sc21",),
         ),
         Rule(
             "no activation recomputation",
             "it runs each layer's forward twice: about a third more compute",
-            RECOMPUTE,
+            ("recompute",),
         ),
         Rule(
             "larger micro_batch_size",
             "larger matrix multiplies, fewer accumulation steps: raise it as far as memory allows",
-            HF_DEEPSPEED,
+            ("hf-deepspeed",),
         ),
         Rule(
-            "lower ZeRO stage", "speed: stage 0 (DDP) > 1 > 2 > 3; each stage adds collectives", HF_DEEPSPEED
+            "lower ZeRO stage",
+            "speed: stage 0 (DDP) > 1 > 2 > 3; each stage adds collectives",
+            ("hf-deepspeed",),
         ),
     ),
     "grpo verl": (
-        OFFLOAD_RULE,
+        Rule(
+            "no CPU offload, else the optimizer's states, then the parameters, then both",
+            "offloaded states cross PCIe every step (the optimizer's for the update only, the "
+            "parameters around every phase); verl offloads when GPU memory is insufficient",
+            ("verl-practices: Megatron-related parameters", "hf-deepspeed"),
+        ),
         Rule(
             "megatron: smaller PP, then smaller TP",
             "TP within a node first, PP only when necessary: pipeline bubbles idle every stage",
-            f"{VERL_PRACTICES} (Megatron parallelism); {MEGATRON}",
+            ("verl-practices: Megatron parallelism parameters", "megatron-sc21"),
         ),
         ROLLOUT_TP_RULE,
         Rule(
             "larger micro_batch_size_per_gpu, up to a GPU's share of a mini-batch",
             "fewer, larger forward and backward passes",
-            f"{VERL_TUNING} (Batch Size Tuning)",
+            ("verl-tuning: Batch Size Tuning",),
         ),
         GMU_RULE,
     ),
     "grpo native": (
         Rule(
-            "data_parallel ddp before fsdp2", "DDP all-reduces the gradients and gathers nothing", OUR_CONFIG
+            "data_parallel ddp before fsdp2", "DDP all-reduces the gradients and gathers nothing", ("config",)
         ),
-        Rule("reshard_after_forward false before true", "no repeated all-gathers of the layers", OUR_CONFIG),
-        Rule("larger micro_batch_size", "fewer forward and backward passes", VERL_TUNING),
+        Rule("reshard_after_forward false before true", "no repeated all-gathers of the layers", ("config",)),
+        Rule(
+            "larger micro_batch_size",
+            "fewer forward and backward passes",
+            ("verl-tuning: Batch Size Tuning",),
+        ),
     ),
     "generation verl": (ROLLOUT_TP_RULE, GMU_RULE),
     "generation native": (),
