@@ -307,7 +307,7 @@ def refusals(stage, layout: Layout, gpus_per_node: int) -> tuple[str, ...]:
     `hpcr1 submit`'s rollout and batch-split checks, the config's batch checks."""
     if isinstance(stage, SFTStage):
         dp, gbs, micro = layout.dp, stage.global_batch_size, stage.micro_batch_size
-        bad = gbs % (micro * dp)
+        bad = bool(gbs % (micro * dp))
         return (f"global_batch_size {gbs} is not a multiple of micro_batch_size·dp ({micro}·{dp})",) * bad
     if stage.engine == "native":
         return native_batch_refusals(stage, layout.gpus) if isinstance(stage, GRPOStage) else ()
