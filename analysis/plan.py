@@ -1,34 +1,48 @@
 """The memory/feasibility planner behind `hpcr1 plan`: for each stage of a config and each GPU
-count, its layout on the cluster's nodes, memory per GPU and host memory per node
-(analysis/memory.py's formulas), and the verdict.
+count, the fastest layout that fits the cluster's nodes, its memory per GPU and host memory per
+node (analysis/memory.py's formulas) and the verdict, in three tiers:
 
-A GRPO or synthesis stage is planned as its engine is configured (verl's rollout_tp, offload flags,
-micro-batch and, on the megatron backend, its tp and pp; the native engines' one layout), at every
-GPU count. SFT's layout is searched:
-the smallest tensor-parallel size that fits wins (TP traffic is the costliest and stays
-within a node), then no activation recomputation (it costs a third more compute), then the lowest
-ZeRO stage (fewer collectives); CPU offload only when nothing fits without it. A stage's `min_gpus`
-is the smallest count planned at which it fits without offload.
+- fits: within usable memory, with room to spare, and no offload;
+- fits with caveat: it fits, but only with CPU offload (configured or searched: PCIe traffic every
+  step), or above HEADROOM of usable GPU or host memory (an estimate that close can be off), or
+  with what no config field sets yet (SFT's recomputation and offload); each caveat is named;
+- does not fit: above usable memory, or refused (the engine's own checks, or our commands').
+
+Usable memory is a fixed share of the machine's, GPU_USABLE of a GPU and HOST_USABLE of a node:
+the formulas leave out the caching allocator's fragmentation, the CUDA context and NCCL's buffers
+(and on the host the OS, the file system client and page cache), about a tenth.
+
+Each GPU count is searched (analysis/plan_search.py): the candidates come most preferred first by
+the engines' tuning guides, and the first that fits without caveat wins; else the first with a
+caveat. A stage's `min_gpus` is the smallest count that fits without caveat. The configured
+settings are judged as they are too, at the config's nproc, beside the planned ones there, which
+`overrides` turns into `section.field=value` lines for `hpcr1 run` and `submit`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from functools import partial
 
+from analysis import plan_search
 from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footprint, synth_footprint
 from analysis.model_shape import LlamaShape
+from analysis.plan_search import Candidate, engine_layout, with_settings
 from core.cluster import ClusterProfile
-from core.config import ConfigError, GRPOStage, RunConfig, SFTStage, SynthStage
+from core.config import ConfigError, GRPOStage, RunConfig, SFTStage
 
 GIB = 1 << 30
 # Of a GPU's memory, the caching allocator's fragmentation, the CUDA context and NCCL's buffers
 # take roughly a tenth; of a node's, the OS, the file system client and page cache.
 GPU_USABLE = 0.9
 HOST_USABLE = 0.9
+# Above this share of usable memory a plan fits with a caveat: the formulas are estimates.
+HEADROOM = 0.9
 # CUDA context, Python, torch, DeepSpeed and their pinned buffers, per rank in host memory.
 RUNTIME_PER_RANK = 4e9
-FITS, OFFLOAD, NO_FIT = "fits", "fits only with CPU offload", "does not fit"
+FITS, CAVEAT, NO_FIT = "fits", "fits with caveat", "does not fit"
 
 
 @dataclass(frozen=True)
@@ -58,14 +72,32 @@ class Machine:
     def nodes(self, gpus: int) -> int:
         return -(-gpus // self.gpus_per_node)
 
+    @property
+    def usable_gpu(self) -> float:
+        return GPU_USABLE * self.gpu_bytes
+
+    @property
+    def usable_host(self) -> float:
+        return HOST_USABLE * self.host_bytes
+
 
 @dataclass(frozen=True)
 class Option:
-    """One GPU count of one stage: the chosen layout, its footprint and the verdict."""
+    """One GPU count of one stage: the layout, its footprint and the verdict."""
 
     layout: Layout
     footprint: Footprint
     verdict: str
+    """FITS, CAVEAT or NO_FIT."""
+    caveats: tuple[str, ...] = ()
+    settings: dict[str, object] = field(default_factory=dict)
+    """The config settings (inside the stage's section) that give this layout."""
+    unsettable: tuple[str, ...] = ()
+    """What the layout needs that no config field sets (SFT's recompute and offload)."""
+
+    @property
+    def verdict_text(self) -> str:
+        return f"{self.verdict}: {'; '.join(self.caveats)}" if self.caveats else self.verdict
 
 
 @dataclass(frozen=True)
@@ -76,82 +108,53 @@ class StagePlan:
     engine: str
     """The engine and its configured settings, in words."""
     options: list[Option]
-    """One per planned GPU count, ascending."""
+    """The planned layout at each planned GPU count, ascending."""
     configured: Option
-    """At the config's nproc, with the stage's own layout where it has one (SFT's tp and ZeRO stage)."""
+    """The stage's own settings at the config's nproc."""
+    planned: Option
+    """The planned layout at the config's nproc."""
+    search: str
+    """Which of plan_search.ORDER's preference orders the search followed."""
 
-    def min_gpus(self, verdict: str = FITS) -> int | None:
-        return next((o.layout.gpus for o in self.options if o.verdict == verdict), None)
+    def min_gpus(self, caveat_ok: bool = False) -> int | None:
+        """The smallest planned count that fits without caveat (with one, if `caveat_ok`)."""
+        ok = (FITS, CAVEAT) if caveat_ok else (FITS,)
+        return next((o.layout.gpus for o in self.options if o.verdict in ok), None)
 
 
 def fits(fp: Footprint, machine: Machine) -> bool:
-    return (
-        not fp.refusals
-        and fp.gpu_bytes() <= GPU_USABLE * machine.gpu_bytes
-        and fp.host_bytes() <= HOST_USABLE * machine.host_bytes
-    )
+    """Within usable GPU and host memory, and not refused."""
+    return not fp.refusals and fp.gpu_bytes() <= machine.usable_gpu and fp.host_bytes() <= machine.usable_host
 
 
-def tp_sizes(gpus: int, machine: Machine, split: tuple[int, ...]) -> list[int]:
-    """Tensor-parallel sizes within a node that divide the GPU count and every dimension in `split`."""
-    sizes = [1 << i for i in range(machine.gpus_per_node.bit_length()) if 1 << i <= machine.gpus_per_node]
-    return [t for t in sizes if gpus % t == 0 and all(d % t == 0 for d in split)]
+def headroom_caveats(fp: Footprint, machine: Machine) -> tuple[str, ...]:
+    shares = (("GPU", fp.gpu_bytes() / machine.usable_gpu), ("host", fp.host_bytes() / machine.usable_host))
+    # rounded up, so that a caveat never reads "90%"
+    return tuple(f"{math.ceil(100 * s)}% of usable {what} memory" for what, s in shares if s > HEADROOM)
 
 
-def candidates(stage, shape: LlamaShape, gpus: int, machine: Machine) -> list[Layout]:
-    """Layouts to try, most preferred first: SFT's that megatron can build, else the configured one."""
-    if isinstance(
-        stage, SFTStage
-    ):  # megatron splits heads, KV heads, the vocabulary and the FFN; ZeRO-3 is refused
-        tps = tp_sizes(gpus, machine, (shape.heads, shape.kv_heads, shape.vocab, shape.ffn))
-        return [Layout(gpus, t, zero, recompute=r) for t in tps for r in (False, True) for zero in (0, 1, 2)]
-    return [engine_layout(stage, gpus)]
+def offload_caveats(layout: Layout) -> tuple[str, ...]:
+    moved = [name for name, on in (("param", layout.param_offload), ("optimizer", layout.offload)) if on]
+    return (f"{'+'.join(moved)} offload",) if moved else ()
 
 
-def engine_layout(stage, gpus: int) -> Layout:
-    """The layout a GRPO or synthesis stage's engine is configured with, on `gpus` GPUs."""
-    v = stage.verl
-    if stage.engine == "native":  # one whole model a rank (synth, ddp) or FSDP2 over all
-        zero = 3 if isinstance(stage, GRPOStage) and stage.data_parallel == "fsdp2" else 0
-        return Layout(gpus, 1, zero)
-    if isinstance(stage, SynthStage):
-        return Layout(gpus, v.rollout_tp, 0)
-    if v.backend == "megatron":  # megatron's distributed optimizer: ZeRO-1 over dp = N/(tp·pp)
-        return Layout(
-            gpus, v.megatron_tp, 1, v.optimizer_offload, False, v.param_offload, v.megatron_pp, megatron=True
-        )
-    # verl's actor: FSDP over all, gradient checkpointing on (its default)
-    return Layout(gpus, v.rollout_tp, 3, v.optimizer_offload, True, v.param_offload)
+def unsettable(stage, layout: Layout) -> tuple[str, ...]:
+    """SFT's layout features that no config field sets: the SFT engine does neither yet."""
+    if not isinstance(stage, SFTStage):
+        return ()
+    needs = (("optimizer offload", layout.offload), ("recompute", layout.recompute))
+    return tuple(name for name, on in needs if on)
 
 
-def engine_text(stage) -> str:
-    if isinstance(stage, SFTStage):
-        return f"megatron+deepspeed {stage.dtype}"
-    if stage.engine == "native":
-        return "native" + (f" {stage.data_parallel}" if isinstance(stage, GRPOStage) else "")
-    v = stage.verl
-    text = f"verl {v.rollout} tp{v.rollout_tp} gmu{v.gpu_memory_utilization:g}"
-    if isinstance(stage, SynthStage):
-        return text
-    offload = [name for name, on in (("param", v.param_offload), ("optimizer", v.optimizer_offload)) if on]
-    backend = v.backend + (f" tp{v.megatron_tp} pp{v.megatron_pp}" if v.backend == "megatron" else "")
-    return (
-        f"verl {backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
-        f"offload: {'+'.join(offload) or 'none'}"
-    )
-
-
-def choose(layouts: list[Layout], footprint, machine: Machine, can_offload: bool) -> Option:
-    """The first layout that fits; else the first that fits with offload; else the smallest on the GPU."""
-    options = [Option(layout, footprint(layout), FITS) for layout in layouts]
-    for option in options:
-        if fits(option.footprint, machine):
-            return option
-    for layout in layouts if can_offload else []:
-        if layout.zero >= 1 and fits(fp := footprint(replace(layout, offload=True)), machine):
-            return Option(replace(layout, offload=True), fp, OFFLOAD)
-    smallest = min(options, key=lambda o: o.footprint.gpu_bytes())
-    return replace(smallest, verdict=NO_FIT)
+def judge(stage, layout: Layout, fp: Footprint, machine: Machine) -> tuple[str, tuple[str, ...]]:
+    """The verdict's tier and its caveats."""
+    if not fits(fp, machine):
+        return NO_FIT, ()
+    needs = unsettable(stage, layout)  # SFT's offload among them
+    offload = () if isinstance(stage, SFTStage) else offload_caveats(layout)
+    needs = (f"{' and '.join(needs)} (no SFT option yet)",) if needs else ()
+    caveats = offload + needs + headroom_caveats(fp, machine)
+    return (CAVEAT if caveats else FITS), caveats
 
 
 def footprint_fn(stage, shape: LlamaShape, site: Site):
@@ -164,6 +167,59 @@ def footprint_fn(stage, shape: LlamaShape, site: Site):
         else synth_footprint
     )
     return partial(builder, shape, stage, site=site)
+
+
+def evaluate(stage, shape: LlamaShape, site: Site, machine: Machine, gpus: int, cand: Candidate) -> Option:
+    """One candidate's footprint and verdict; our commands' refusals join the engine's."""
+    st = with_settings(stage, cand.settings)
+    layout = replace(engine_layout(st, gpus), **cand.extras)
+    fp = footprint_fn(st, shape, site)(layout)
+    fp = replace(fp, refusals=fp.refusals + plan_search.refusals(st, layout, machine.gpus_per_node))
+    verdict, caveats = judge(st, layout, fp, machine)
+    return Option(layout, fp, verdict, caveats, cand.settings, unsettable(st, layout))
+
+
+def searched(groups: Iterable[plan_search.Group], judged) -> Iterator[Option]:
+    """The candidates' options, most preferred first, less the groups whose floor does not fit."""
+    for group in groups:
+        floor = [judged(c) for c in group.floor]
+        if all(o.verdict == NO_FIT for o in floor):
+            yield from floor  # its leanest stand for the group where nothing fits
+        else:
+            yield from map(judged, group.candidates)
+
+
+def choose(options: Iterable[Option]) -> Option:
+    """The first option that fits without caveat (options come most preferred first); else the first
+    that fits with one; else, of the options not refused (or all, if all are), the one needing the
+    least GPU memory: how far from fitting the leanest layout is."""
+    tried = []
+    for option in options:
+        if option.verdict == FITS:
+            return option
+        tried.append(option)
+    with_caveat = [o for o in tried if o.verdict == CAVEAT]
+    if with_caveat:
+        return with_caveat[0]
+    return min(tried, key=lambda o: (bool(o.footprint.refusals), o.footprint.gpu_bytes()))
+
+
+def engine_text(stage) -> str:
+    """The engine and its configured settings, in words."""
+    if isinstance(stage, SFTStage):
+        return f"megatron+deepspeed {stage.dtype}"
+    if stage.engine == "native":
+        return "native" + (f" {stage.data_parallel}" if isinstance(stage, GRPOStage) else "")
+    v = stage.verl
+    text = f"verl {v.rollout} tp{v.rollout_tp} gmu{v.gpu_memory_utilization:g}"
+    if not isinstance(stage, GRPOStage):
+        return text
+    offload = [name for name, on in (("param", v.param_offload), ("optimizer", v.optimizer_offload)) if on]
+    backend = v.backend + (f" tp{v.megatron_tp} pp{v.megatron_pp}" if v.backend == "megatron" else "")
+    return (
+        f"verl {backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
+        f"offload: {'+'.join(offload) or 'none'}"
+    )
 
 
 def kind_of(stage) -> str:
@@ -180,18 +236,19 @@ def plan_stage(
     prompt_tokens: int,
 ) -> StagePlan:
     site = Site(machine.gpu_bytes, machine.gpus_per_node, RUNTIME_PER_RANK, prompt_tokens, cfg.eval)
-    kind, footprint, sft = kind_of(stage), footprint_fn(stage, shape, site), isinstance(stage, SFTStage)
+    judged = partial(evaluate, stage, shape, site, machine)
 
-    def at(n: int) -> Option:
-        return choose(candidates(stage, shape, n, machine), footprint, machine, can_offload=sft)
+    def search(n: int) -> Option:
+        return choose(
+            searched(plan_search.groups(stage, shape, n, machine.gpus_per_node), partial(judged, n))
+        )
 
-    # SFT's own layout is judged as configured (no offload, no recomputation: the config cannot ask for them).
-    configured = (
-        choose([Layout(cfg.nproc, stage.parallel.tp, stage.parallel.zero_stage)], footprint, machine, False)
-        if sft
-        else at(cfg.nproc)
+    configured = judged(cfg.nproc, plan_search.configured(stage))
+    options = [search(n) for n in gpus]
+    order = plan_search.order_key(stage)
+    return StagePlan(
+        stage_id, kind_of(stage), engine_text(stage), options, configured, search(cfg.nproc), order
     )
-    return StagePlan(stage_id, kind, engine_text(stage), [at(n) for n in gpus], configured)
 
 
 def plan(
@@ -201,6 +258,33 @@ def plan(
         plan_stage(sid, stage, cfg, shape, machine, gpus, prompt_tokens)
         for sid, stage in cfg.stages().items()
     ]
+
+
+def override_value(value) -> str:
+    """As YAML reads it back (the config's override parser loads each value as YAML)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def overrides(plans: list[StagePlan], nproc: int) -> tuple[list[str], list[str]]:
+    """`section.field=value` lines that run every stage as planned at `nproc`, and, for each stage
+    left as configured, why."""
+    lines, left = [f"nproc={nproc}"], []
+    for p in plans:
+        o = p.planned
+        if o.verdict == NO_FIT:
+            left.append(f"{p.stage_id}: does not fit at nproc={nproc}; left as configured")
+        elif o.unsettable:
+            left.append(
+                f"{p.stage_id}: its plan at nproc={nproc} needs {' and '.join(o.unsettable)}, "
+                "which no config field sets; left as configured"
+            )
+        else:
+            lines += setting_lines(p.stage_id, o)
+    return lines, left
+
+
+def setting_lines(stage_id: str, option: Option) -> list[str]:
+    return [f"{stage_id}.{key}={override_value(v)}" for key, v in option.settings.items()]
 
 
 def parse_gpus(text: str) -> list[int]:

@@ -132,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     pl.add_argument("--out", help="the Markdown plan (default: plan-<name>.md here)")
+    pl.add_argument(
+        "--write-overrides",
+        metavar="FILE",
+        help="write the planned settings at the config's nproc as KEY=VALUE lines for run/submit",
+    )
     pl.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     pl.set_defaults(func=cmd_plan)
 
@@ -287,7 +292,7 @@ def cmd_config(args) -> int:
 def cmd_plan(args) -> int:
     from analysis import plan_report
     from analysis.model_shape import model_shape
-    from analysis.plan import Machine, parse_gpus, plan
+    from analysis.plan import Machine, overrides, parse_gpus, plan
     from core.atomic import atomic_write_text
     from core.cluster import load_profile
     from core.config import ConfigError, load_config
@@ -308,6 +313,13 @@ def cmd_plan(args) -> int:
     else:
         print(plan_report.render_text(cfg.name, shape, machine, plans), end="")
     print(f"markdown: {out}", file=sys.stderr)
+    if args.write_overrides:
+        lines, left = overrides(plans, cfg.nproc)
+        atomic_write_text(Path(args.write_overrides), "\n".join(lines) + "\n")
+        for why in left:
+            print(f"hpcr1 plan: {why}", file=sys.stderr)
+        path = args.write_overrides
+        print(f"overrides: {path} (hpcr1 submit CONFIG --cluster NAME ... $(cat {path}))", file=sys.stderr)
     return 0
 
 
