@@ -85,8 +85,11 @@ ASSUMPTIONS = (
     "trainer/config/ref/dp_ref.yaml), fp32 shards in host memory. Gradient checkpointing is verl's "
     "default (model.enable_gradient_checkpointing true; our overrides leave it), so an update keeps "
     "each layer's input for micro_batch_size_per_gpu sequences of max_prompt_length + max_new_tokens "
-    "tokens, flash attention (no scores). The vLLM rollout takes gpu_memory_utilization x GPU memory "
-    "while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
+    "tokens (sdpa attention: no scores), and besides them either one layer recomputed or the bf16 "
+    "logits of the whole sequences (our overrides turn remove-padding off) with the log-softmax of "
+    "the responses' rows that verl saves for the backward (no flash-attn: utils/torch_functional.py "
+    "logprobs_from_logits_v2), whichever is larger. The vLLM rollout takes gpu_memory_utilization x "
+    "GPU memory while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
     "enable_sleep_mode true, workers/rollout/vllm_rollout/vllm_async_server.py) while the actor trains; "
     "its weights come back first for the weight sync (workers/engine_workers.py update_weights), when "
     "the actor's parameters are on the GPU and one tensor (the largest, the embedding) is gathered in "
@@ -443,8 +446,8 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         Term("actor_step_temporary", "P·4/N (AdamW's sqrt(v), in the optimizer step)", 4 * P / N),
         gathered,
         replace(gathered, name="reference_gathered"),
-        activations(
-            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, BF16, 1, False, True
+        verl_activations(
+            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, g.max_new_tokens
         ),
         budget,
         rollout_weights,
@@ -460,6 +463,20 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         optimizer_step=(*states, "actor_step_temporary"),
     )
     return Footprint(gpu, verl_host(m, layout, site), phases, refusals)
+
+
+def verl_activations(m: LlamaShape, b: int, s: int, r: int) -> Term:
+    """An update's activations in verl's FSDP actor as our verl_trainer runs it (gradient
+    checkpointing, sdpa, remove-padding off, no flash-attn), bf16: each layer's input, kept to be
+    recomputed (L·b·s·c·h); and at once either one layer recomputed in the backward, or, at the turn
+    from forward to backward, the logits of the whole sequences (b·s·V·c, then their gradient) with
+    the log-softmax of the r response tokens' rows, saved for the backward (b·r·V·c:
+    utils/torch_functional.py logprobs_from_logits_v2 takes it row by row in bf16, no fp32 copy)."""
+    c = BF16
+    layer = b * s * c * (6 * m.hidden + 2 * m.kv_width + 4 * m.ffn)
+    logits = b * (s + r) * m.vocab * c
+    formula = f"L·b·s·c·h + max(b·s·c·(6h + 2kv + 4f), b·(s + r)·V·c)  [b={b}, s={s}, r={r}, c={c}]"
+    return Term("activations", formula, m.layers * b * s * c * m.hidden + max(layer, logits))
 
 
 def verl_phases(

@@ -13,8 +13,10 @@ Per case, predicted and measured:
 A case fails when a measurement is more than 10% off its prediction (a prediction of 0 bytes: more
 than 10% of the predicted peak).
 
-The model is the tiny model's Llama architecture widened until its states dominate one
-micro-batch's activations (63M parameters, random bf16 weights); see MODEL. The cases:
+The models are Llama-shaped with random bf16 weights (MODELS): "wide", the tiny model's
+architecture widened until its states dominate a micro-batch's activations (63M parameters, 64
+tokens a micro-batch); "vocab", narrow (4M parameters) with a 32000-token vocabulary, where the
+logits of a 4 x 512-token micro-batch dominate. The cases:
 - ds-*: our SFT engine itself (stages/engines/megatron_deepspeed.py: megatron-core, DeepSpeed ZeRO
   with its deepspeed_config), train_step of one micro-batch per step; predicted by sft_footprint.
 - fsdp2, fsdp2-offload: the actor as verl 0.9.1 shards it with strategy fsdp2 (verl's own
@@ -22,6 +24,11 @@ micro-batch's activations (63M parameters, random bf16 weights); see MODEL. The 
   checkpointing, torch's AdamW; with offload, verl's own offload functions move the parameters and
   the optimizer states to host memory after each update and back before the next, as
   param_offload and optimizer_offload do; predicted by grpo_footprint (engine verl, backend fsdp).
+  The loss is verl's: log-probabilities of the response half of each sequence, from the logits of
+  the whole sequence (its no-remove-padding path, which our verl_trainer sets) with verl's own
+  logprobs_from_logits. fsdp2-logits: the same on the "vocab" model. (The plan counts the gathered
+  weights as FSDP1 gathers them, verl's default strategy: the embeddings with one layer, where
+  apply_fsdp2 makes each embedding a unit of its own; a few MiB over here.)
 """
 
 from __future__ import annotations
@@ -42,17 +49,25 @@ from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footpri
 from analysis.model_shape import LlamaShape, shape_from_hf_config  # noqa: E402
 from core.config import GRPOStage, SFTStage, VerlConfig  # noqa: E402
 
-MODEL = {
-    "vocab_size": 8192,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
+MODELS = {
+    "wide": {
+        "vocab_size": 8192,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+    },
+    "vocab": {
+        "vocab_size": 32000,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+    },
 }
-RANKS, BATCH, SEQ, STEPS = 2, 1, 64, 2
+RANKS, STEPS = 2, 2
 TOLERANCE = 0.10
 MIB = 2**20
 GPU_BYTES = 80 * 2**30  # what the emulated device reports (tests/fakegpu/device.py TOTAL_MEMORY)
@@ -65,6 +80,11 @@ class Case:
     dtype: str = "bf16"
     zero: int = 1
     offload: bool = False
+    model: str = "wide"
+    batch: int = 1
+    """Sequences a micro-batch (one a step)."""
+    seq: int = 64
+    """Tokens a sequence; under fsdp2 the second half is the response."""
 
 
 CASES = {
@@ -74,32 +94,37 @@ CASES = {
     "ds-fp32-z1": Case("deepspeed", dtype="fp32", zero=1),
     "fsdp2": Case("fsdp2", zero=3),
     "fsdp2-offload": Case("fsdp2", zero=3, offload=True),
+    "fsdp2-logits": Case("fsdp2", zero=3, model="vocab", batch=4, seq=512),
 }
 
 
 # -- prediction ---------------------------------------------------------------------------------------
+def sft_stage(case: Case) -> SFTStage:
+    """One micro-batch a rank and step."""
+    return SFTStage(
+        dtype=case.dtype,
+        micro_batch_size=case.batch,
+        global_batch_size=case.batch * RANKS,
+        max_seq_len=case.seq,
+        parallel={"tp": 1, "pp": 1, "zero_stage": case.zero},
+    )
+
+
 def predict(case: Case, shape: LlamaShape) -> dict[str, float]:
     """states (on the device between steps), host (offloaded, a rank) and peak, as the planner says."""
     site = Site(gpu_bytes=GPU_BYTES, gpus_per_node=RANKS, runtime_per_rank=0.0)
     if case.engine == "deepspeed":
-        stage = SFTStage(
-            dtype=case.dtype,
-            micro_batch_size=BATCH,
-            global_batch_size=BATCH * RANKS,
-            max_seq_len=SEQ,
-            parallel={"tp": 1, "pp": 1, "zero_stage": case.zero},
-        )
-        fp = sft_footprint(shape, stage, Layout(RANKS, 1, case.zero), site)
+        fp = sft_footprint(shape, sft_stage(case), Layout(RANKS, 1, case.zero), site)
         return figures(fp, resident=("weights", "optimizer"), steps=("training", "optimizer_step"))
-    o = case.offload
+    o, response = case.offload, case.seq // 2
     verl = VerlConfig(
-        max_prompt_length=SEQ // 2,
-        micro_batch_size_per_gpu=BATCH,
+        max_prompt_length=case.seq - response,
+        micro_batch_size_per_gpu=case.batch,
         rollout_tp=1,
         param_offload=o,
         optimizer_offload=o,
     )
-    stage = GRPOStage(engine="verl", max_new_tokens=SEQ // 2, verl=verl)
+    stage = GRPOStage(engine="verl", max_new_tokens=response, verl=verl)
     fp = grpo_footprint(shape, stage, Layout(RANKS, 1, 3, o, True, o), site)
     # outside its use the actor keeps on the device what the generation phase holds beside vLLM
     resident = tuple(name for name in fp.phases["generation"] if name != "rollout_budget")
@@ -132,11 +157,13 @@ def worker(name: str, model_dir: Path) -> None:
     shutdown_distributed()
 
 
-def random_batches(vocab: int, device, count: int):
+def random_batches(case: Case, device):
+    """STEPS micro-batches of random token ids."""
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, vocab, (BATCH, SEQ), generator=g).to(device) for _ in range(count)]
+    vocab = MODELS[case.model]["vocab_size"]
+    return [torch.randint(0, vocab, (case.batch, case.seq), generator=g).to(device) for _ in range(STEPS)]
 
 
 def train_deepspeed(case: Case, model_dir: Path) -> dict:
@@ -146,18 +173,11 @@ def train_deepspeed(case: Case, model_dir: Path) -> dict:
     from stages.data.sft_batches import MicroBatch
     from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
 
-    stage = SFTStage(
-        dtype=case.dtype,
-        micro_batch_size=BATCH,
-        global_batch_size=BATCH * RANKS,
-        max_seq_len=SEQ,
-        parallel={"tp": 1, "pp": 1, "zero_stage": case.zero},
-    )
-    engine = MegatronDeepSpeedEngine(model_dir, stage, seed=0)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    for ids in random_batches(MODEL["vocab_size"], "cpu", STEPS):
-        batch = MicroBatch(ids, ids.roll(-1, 1), torch.ones(BATCH, SEQ), positions)
-        engine.train_step([batch], global_loss_tokens=BATCH * SEQ * RANKS)
+    engine = MegatronDeepSpeedEngine(model_dir, sft_stage(case), seed=0)
+    positions = torch.arange(case.seq).expand(case.batch, case.seq)
+    for ids in random_batches(case, "cpu"):
+        batch = MicroBatch(ids, ids.roll(-1, 1), torch.ones(ids.shape), positions)
+        engine.train_step([batch], global_loss_tokens=ids.numel() * RANKS)
     return {"states": torch.accelerator.memory_allocated(), "host": 0}
 
 
@@ -204,13 +224,17 @@ def train_fsdp2(case: Case, model_dir: Path) -> dict:
         model.to(device)
         load_fsdp_optimizer(optimizer, device)
 
-    for step, ids in enumerate(random_batches(MODEL["vocab_size"], device, STEPS)):
+    def policy_loss(ids):
+        """verl's no-remove-padding path: the whole sequences' logits, the response's log-probs;
+        the logits are gone by the backward, as they are out of verl's forward_step by then."""
+        response = case.seq // 2
+        logits = model(input_ids=ids, use_cache=False).logits[:, -response - 1 : -1]
+        return -logprobs_from_logits(logits, ids[:, -response:]).mean()
+
+    for step, ids in enumerate(random_batches(case, device)):
         if case.offload and step:
             load()
-        logits = model(input_ids=ids).logits
-        loss = -logprobs_from_logits(logits[:, :-1], ids[:, 1:]).mean()
-        loss.backward()
-        del logits, loss
+        policy_loss(ids).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -232,13 +256,14 @@ def host_bytes(model, optimizer) -> int:
 
 
 # -- the parent: model, ranks, table ------------------------------------------------------------------
-def write_model(directory: Path) -> LlamaShape:
-    """MODEL with random weights, as a Hugging Face directory (bf16 safetensors)."""
+def write_model(directory: Path, spec: dict) -> LlamaShape:
+    """A Llama of `spec` with random weights, as a Hugging Face directory (bf16 safetensors)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**MODEL, rms_norm_eps=1e-5)).to(torch.bfloat16).save_pretrained(directory)
+    config = LlamaConfig(**spec, rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
     return shape_from_hf_config(directory / "config.json")
 
 
@@ -258,6 +283,11 @@ def measure(name: str, model_dir: Path) -> dict[str, float]:
             f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
     return {key: max(r[key] for r in results) for key in ("states", "host", "peak")}
+
+
+def run_case(name: str, shapes: dict[str, LlamaShape], models: Path) -> dict:
+    case = CASES[name]
+    return compare(name, predict(case, shapes[case.model]), measure(name, models / case.model))
 
 
 def deviation(measured: float, predicted: float, scale: float) -> float:
@@ -299,13 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.model)
         return 0
+    names = args.case or list(CASES)
     with tempfile.TemporaryDirectory(prefix="plan-vs-engines-") as tmp:
-        shape = write_model(Path(tmp))
-        names = args.case or list(CASES)
-        results = [compare(n, predict(CASES[n], shape), measure(n, Path(tmp))) for n in names]
+        models = {CASES[n].model for n in names}
+        shapes = {m: write_model(Path(tmp) / m, MODELS[m]) for m in sorted(models)}
+        results = [run_case(n, shapes, Path(tmp)) for n in names]
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps({"params": shape.params(), "results": results}, indent=1))
+        params = {m: shape.params() for m, shape in shapes.items()}
+        args.json.write_text(json.dumps({"params": params, "results": results}, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -1,6 +1,6 @@
 """The planner's memory model against the real engines (bench/plan_vs_engines.py): our SFT engine
 with DeepSpeed bf16 ZeRO 0, 1 and 2 and fp32 ZeRO-1, and verl's FSDP2 actor with and without its
-CPU offload, each on 2 ranks of the emulated accelerator, whose ledger counts device memory apart
+CPU offload and with a micro-batch whose logits dominate, each on 2 ranks of the emulated accelerator, whose ledger counts device memory apart
 from host memory. Every state and peak is within 10% of its prediction, and offload shows as the
 actor's states leaving the device for host memory."""
 
@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import REPO, hpcr1_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
-CASES = {"ds-bf16-z0", "ds-bf16-z1", "ds-bf16-z2", "ds-fp32-z1", "fsdp2", "fsdp2-offload"}
+CASES = {"ds-bf16-z0", "ds-bf16-z1", "ds-bf16-z2", "ds-fp32-z1", "fsdp2", "fsdp2-offload", "fsdp2-logits"}
 
 
 @pytest.fixture(scope="module")

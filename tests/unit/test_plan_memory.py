@@ -163,3 +163,18 @@ def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():
         layout = Layout(n, 1, 3, offload, True, offload)
         fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", verl=verl), layout, SITE)
         assert fp.phase_bytes()["optimizer_step"] == pytest.approx((4 + 4 + 8 + 4) * P / n)
+
+
+def test_verl_fsdp_activations_keep_layer_inputs_and_the_larger_of_a_layer_and_the_logits():
+    """Each layer's input in bf16; the whole sequences' bf16 logits and the response rows'
+    log-softmax (s + r rows a sequence) outweigh one recomputed layer for this vocabulary."""
+    b, prompt, r = 4, 256, 256
+    s = prompt + r
+    verl = VerlConfig(max_prompt_length=prompt, micro_batch_size_per_gpu=b)
+    fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", max_new_tokens=r, verl=verl), Layout(8, 1, 3), SITE)
+    found = {t.name: t.bytes for t in fp.gpu}["activations"]
+    layer_inputs = 8 * b * s * 2 * 512
+    one_layer = b * s * 2 * (6 * 512 + 2 * 256 + 4 * 1408)
+    logits = b * (s + r) * 32000 * 2
+    assert logits > one_layer
+    assert found == layer_inputs + logits
