@@ -297,9 +297,8 @@ def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Foo
     """DeepSpeed's phases of a step: forward and backward with the gradients' reduction, then the
     optimizer step; and the final eval."""
     P, prec, t = m.params(), deepspeed_precision(s.dtype, layout.zero), layout.tp
-    states = training_states(P, prec, layout)
     train = [
-        *states,
+        *training_states(P, prec, layout),
         reduce_buffers(P / t, prec.grad, layout.zero),
         activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
     ]
