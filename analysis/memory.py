@@ -46,24 +46,50 @@ FSDP_MIXED = Precision(weight=4, grad=4, optimizer=8, compute=2)
 MCORE_MIXED = Precision(weight=2, grad=4, optimizer=12, compute=2)
 SFT_PRECISION = {"fp32": FP32, "bf16": BF16_MIXED}
 
+# DeepSpeed ZeRO 1-2 as stages/engines/megatron_deepspeed.py deepspeed_config leaves it, at
+# deepspeed/runtime/zero/config.py's defaults: contiguous_gradients true, overlap_comm false (true
+# only for ZeRO-3), use_multi_rank_bucket_allreduce true, and reduce_bucket_size elements of one
+# gradient bucket, whatever the model's size. ZeRO-0 all-reduces in chunks of as many elements
+# (deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE).
+DEEPSPEED_BUCKET = 500_000_000
+B_TEXT = "5e8"
+# torch's AdamW steps with its foreach kernels on a GPU (torch/optim/adam.py _multi_tensor_adam),
+# which make sqrt(v) for every parameter stepped at once: fp32, 4 bytes a parameter.
+ADAM_STEP_TEMPORARY = 4
+
 ASSUMPTIONS = (
     "SFT: megatron-core with TP within a node (no PP: not implemented) and DeepSpeed ZeRO 0-2 over "
-    "dp = N/tp, in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter), "
-    "megatron's local (unfused) attention. Its final eval is a phase of its own after training: "
+    "dp = N/tp, in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
+    "fp32 under ZeRO 1-2: also 12, DeepSpeed steps an fp32 partition of its own), megatron's local "
+    "(unfused) attention. DeepSpeed runs as our deepspeed_config leaves it, at ZeRO's defaults "
+    "(deepspeed/runtime/zero/config.py): gradients in the model's dtype (no grad_accum_dtype, so not "
+    "DeepSpeed's bf16 optimizer with fp32 gradient accumulation), ZeRO 1-2 fill one bucket of 5e8 "
+    "gradient elements (1 GB in bf16) and all-reduce a flattened copy of it, no overlap_comm; its "
+    "optimizer step is a phase of its own, holding besides the weights and states the stepped "
+    "gradients, their flat fp32 copy and AdamW's sqrt(v): 10 bytes a stepped parameter in bf16 "
+    "(P/tp/dp of them under ZeRO 1-2). Not counted: the CUDA context, NCCL's buffers and the "
+    "allocator's fragmentation (the tenth of a GPU left unplanned), nor DeepSpeed's flattening of the "
+    "weights at start, done on the GPU only when a second copy fits there. These terms are checked "
+    "against the engines on the emulated accelerator by bench/plan_vs_engines.py. "
+    "Its final eval is a phase of its own after training: "
     "eval.engine native loads the whole model in the stage's dtype on every rank (stages/eval.py) with "
     "the KV cache of eval.batch_size sequences; eval.engine verl is a vLLM server as synthesis's.",
     "GRPO on verl 0.9.1 (backend fsdp, hybrid engine: actor, reference and vLLM rollout colocated on "
     "each GPU), as its source does it: the actor is FSDP over N in fp32 (fsdp_config.model_dtype fp32, "
     "trainer/config/engine/fsdp.yaml), 4+4+8 bytes a parameter sharded; gradients exist only inside "
-    "an update (zero_grad on leaving train mode, workers/engine/fsdp/transformer_impl.py); param_offload "
+    "an update (zero_grad on leaving train mode, workers/engine/fsdp/transformer_impl.py), whose "
+    "optimizer step also holds AdamW's sqrt(v), 4 bytes a parameter sharded; param_offload "
     "keeps parameters (and gradients) and optimizer_offload Adam's states in host memory outside their "
     "use (workers/engine/base.py BaseEngineCtx). The reference is forward-only and always CPU-offloaded "
     "by verl whatever param_offload says (transformer_impl.py: CPUOffload for forward_only; "
     "trainer/config/ref/dp_ref.yaml), fp32 shards in host memory. Gradient checkpointing is verl's "
     "default (model.enable_gradient_checkpointing true; our overrides leave it), so an update keeps "
     "each layer's input for micro_batch_size_per_gpu sequences of max_prompt_length + max_new_tokens "
-    "tokens, flash attention (no scores). The vLLM rollout takes gpu_memory_utilization x GPU memory "
-    "while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
+    "tokens (sdpa attention: no scores), and besides them either one layer recomputed or the bf16 "
+    "logits of the whole sequences (our overrides turn remove-padding off) with the log-softmax of "
+    "the responses' rows that verl saves for the backward (no flash-attn: utils/torch_functional.py "
+    "logprobs_from_logits_v2), whichever is larger. The vLLM rollout takes gpu_memory_utilization x "
+    "GPU memory while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
     "enable_sleep_mode true, workers/rollout/vllm_rollout/vllm_async_server.py) while the actor trains; "
     "its weights come back first for the weight sync (workers/engine_workers.py update_weights), when "
     "the actor's parameters are on the GPU and one tensor (the largest, the embedding) is gathered in "
@@ -268,17 +294,74 @@ def offloaded(formula: str, per_rank: float, ranks: int) -> Term:
 
 
 def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Footprint:
-    P, prec, t = m.params(), SFT_PRECISION[s.dtype], layout.tp
+    """DeepSpeed's phases of a step: forward and backward with the gradients' reduction, then the
+    optimizer step; and the final eval."""
+    P, prec, t = m.params(), deepspeed_precision(s.dtype, layout.zero), layout.tp
     train = [
         *training_states(P, prec, layout),
+        reduce_buffers(P / t, prec.grad, layout.zero),
         activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
     ]
+    step = deepspeed_step(P, prec, layout)
     evaluation, refusals = final_eval(m, site, prec.weight, layout.gpus)
     ranks = node_ranks(layout, site.gpus_per_node)
     moved = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
     host = [*host_terms(m, "P/tp", P / t, ranks, site), offloaded("optimizer per GPU", moved, ranks)]
-    phases = {"training": tuple(x.name for x in train), "final_eval": tuple(x.name for x in evaluation)}
-    return Footprint(train + evaluation, host, phases, refusals)
+    phases = {
+        "training": tuple(x.name for x in train),
+        "optimizer_step": ("weights", "optimizer", *(x.name for x in step)),
+        "final_eval": tuple(x.name for x in evaluation),
+    }
+    return Footprint(train + step + evaluation, host, phases, refusals)
+
+
+def deepspeed_precision(dtype: str, zero: int) -> Precision:
+    """Bytes a parameter under DeepSpeed: ZeRO 1-2 step an fp32 partition of their own, a copy of
+    the weights even when they are fp32 (deepspeed/runtime/zero/stage_1_and_2.py __init__,
+    single_partition_of_fp32_groups), beside Adam's m and v; ZeRO-0 in fp32 steps the weights
+    themselves with torch's AdamW; in bf16 its optimizer keeps fp32 copies of all of them
+    (deepspeed/runtime/fp16/unfused_optimizer.py)."""
+    prec = SFT_PRECISION[dtype]
+    return replace(prec, optimizer=12) if dtype == "fp32" and zero >= 1 else prec
+
+
+def reduce_buffers(grads: float, g: int, zero: int) -> Term:
+    """What reducing `grads` gradient elements (P/tp) of g bytes holds besides the gradients. ZeRO 1-2
+    allocate one bucket of DEEPSPEED_BUCKET elements at the first gradient of a backward
+    (stage_1_and_2.py setup_buckets) and all-reduce a flattened copy of each full bucket
+    (allreduce_bucket: self.flatten). ZeRO-1 moves every gradient into the bucket before its
+    reduction, so that copy takes the room the moved gradients leave; ZeRO-2 keeps the partition's
+    gradients apart (grads_in_partition, the gradients term), so it counts. ZeRO-0 all-reduces
+    flattened copies of up to DEEPSPEED_BUCKET gradients (engine.py buffered_allreduce_fallback)."""
+    bucket, chunk = DEEPSPEED_BUCKET * g, min(DEEPSPEED_BUCKET, grads) * g
+    formula, held = {
+        0: (f"min(B, P/tp)·{g} (the all-reduce's flattened copy)", chunk),
+        1: (f"B·{g} (the gradient bucket)", bucket),
+    }.get(zero, (f"B·{g} + min(B, P/tp)·{g} (the gradient bucket and its flattened copy)", bucket + chunk))
+    return Term("reduce_buffers", f"{formula}  [B={B_TEXT}]", held)
+
+
+def deepspeed_step(P: int, prec: Precision, layout: Layout) -> list[Term]:
+    """What DeepSpeed's optimizer step holds besides the weights and the optimizer states, for the
+    parameters it steps (P/tp/dp under ZeRO 1-2, P/tp under ZeRO-0): their gradients in the model's
+    dtype and the flat fp32 gradient it steps with, g + 4 bytes a parameter (stage_1_and_2.py step:
+    the partition's gradients and single_grad_partition, a flattened fp32 copy; unfused_optimizer.py
+    step: fp32 copies of the bf16 gradients), and AdamW's sqrt(v). fp32 ZeRO-0 is torch's AdamW
+    alone, which steps the gradients themselves. With offload the step runs on the host
+    (DeepSpeedCPUAdam)."""
+    if layout.offload:
+        return [Term("step_gradients", "0 (stepped on the host)", 0.0), Term("step_temporary", "0", 0.0)]
+    t = layout.tp
+    split = ("/tp" if t > 1 else "") + ("/dp" if layout.zero >= 1 else "")
+    div = t * layout.dp if layout.zero >= 1 else t
+    wrapped = prec.grad != 4 or layout.zero >= 1  # DeepSpeed wraps torch's AdamW
+    held = prec.grad + 4 if wrapped else prec.grad
+    what = "the gradient partition and its flat fp32 copy" if wrapped else "the gradients"
+    temp = ADAM_STEP_TEMPORARY
+    return [
+        Term("step_gradients", f"P·{held}{split} ({what})", P * held / div),
+        Term("step_temporary", f"P·{temp}{split} (AdamW's sqrt(v))", P * temp / div),
+    ]
 
 
 def final_eval(m: LlamaShape, site: Site, weight_bytes: int, gpus: int) -> tuple[list[Term], tuple[str, ...]]:
@@ -359,10 +442,11 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         Term("actor_weights", "P·4/N", 4 * P / N),
         Term("actor_gradients", "P·4/N (in an update only)", 4 * P / N),
         Term("actor_optimizer", "P·8/N", 8 * P / N),
+        Term("actor_step_temporary", "P·4/N (AdamW's sqrt(v), in the optimizer step)", 4 * P / N),
         gathered,
         replace(gathered, name="reference_gathered"),
-        activations(
-            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, BF16, 1, False, True
+        verl_activations(
+            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, g.max_new_tokens
         ),
         budget,
         rollout_weights,
@@ -370,23 +454,43 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         Term("sync_tensor", "V·h·2 (the largest tensor, gathered in bf16)", m.vocab * m.hidden * BF16),
     ]
     kept = ("actor_weights",) * (not layout.param_offload) + ("actor_optimizer",) * (not layout.offload)
+    states = ("actor_weights", "actor_gradients", "actor_optimizer")
     phases = verl_phases(
         kept,
         reference=("reference_gathered",),
-        training=("actor_weights", "actor_gradients", "actor_optimizer", "actor_gathered", "activations"),
+        training=(*states, "actor_gathered", "activations"),
+        optimizer_step=(*states, "actor_step_temporary"),
     )
     return Footprint(gpu, verl_host(m, layout, site), phases, refusals)
 
 
-def verl_phases(kept: tuple[str, ...], reference: tuple[str, ...], training: tuple[str, ...]) -> dict:
+def verl_activations(m: LlamaShape, b: int, s: int, r: int) -> Term:
+    """An update's activations in verl's FSDP actor as our verl_trainer runs it (gradient
+    checkpointing, sdpa, remove-padding off, no flash-attn), bf16: each layer's input, kept to be
+    recomputed (L·b·s·c·h); and at once either one layer recomputed in the backward, or, at the turn
+    from forward to backward, the logits of the whole sequences (b·s·V·c, then their gradient) with
+    the log-softmax of the r response tokens' rows, saved for the backward (b·r·V·c:
+    utils/torch_functional.py logprobs_from_logits_v2 takes it row by row in bf16, no fp32 copy)."""
+    c = BF16
+    layer = b * s * c * (6 * m.hidden + 2 * m.kv_width + 4 * m.ffn)
+    logits = b * (s + r) * m.vocab * c
+    formula = f"L·b·s·c·h + max(b·s·c·(6h + 2kv + 4f), b·(s + r)·V·c)  [b={b}, s={s}, r={r}, c={c}]"
+    return Term("activations", formula, m.layers * b * s * c * m.hidden + max(layer, logits))
+
+
+def verl_phases(
+    kept: tuple[str, ...], reference: tuple[str, ...], training: tuple[str, ...], optimizer_step=()
+) -> dict:
     """A hybrid-engine step's phases: each holds the terms it uses and those kept on the GPU
     outside their use (not offloaded). The weight sync holds the actor's parameters (no gradients),
-    the rollout's weights and the tensor being sent."""
+    the rollout's weights and the tensor being sent; the optimizer step, where there is one of its
+    own, the actor's states and the step's temporaries (activations and gathered units are gone)."""
     uses = {
         "generation": ("rollout_budget",),
         "weight_sync": ("rollout_weights", "sync_tensor", "actor_weights"),
         "reference": reference,
         "training": training,
+        **({"optimizer_step": optimizer_step} if optimizer_step else {}),
     }
     return {phase: tuple(dict.fromkeys(names + kept)) for phase, names in uses.items()}
 

@@ -5,7 +5,9 @@ device, a CPU tensor in a collective of the device's group, tensors of two devic
 the values are computed on the CPU and checked like any others. PyTorch finds it as it finds CUDA:
 `torch.accelerator.current_accelerator()` is fakegpu, `torch.accelerator.set_device_index(local_rank)`
 selects a rank's device, `dist.get_default_backend_for_device("fakegpu")` is "fakeccl". DDP, FSDP2,
-DeepSpeed ZeRO 0-2 and megatron-core (through the project's CPU shim) run on it.
+DeepSpeed ZeRO 0-2 and megatron-core (through the project's CPU shim) run on it. Its memory is what a
+GPU's would be where torch's code paths are CUDA's: its optimizers take their foreach kernels (and
+temporaries), DeepSpeed's typed tensors are made on it.
 
 In this process:   `from tests import fakegpu; fakegpu.install()`
 In torchrun ranks: `env = fakegpu.child_env(env)`; a process started with that environment installs
@@ -62,6 +64,7 @@ def install(device_count: int | None = None) -> None:
     _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=device)
     device.answer_accelerator_memory()
     tensor.register_kernels()
+    tensor.take_foreach_paths()
     moves.keep_parameters_on_move()
     ccl.register_backend()
     after_import(fsdp.PARAM_MODULE, fsdp.patch)

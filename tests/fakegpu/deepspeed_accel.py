@@ -5,6 +5,8 @@ its collective backend, its streams and its memory ledger."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
@@ -53,6 +55,19 @@ class FakeGpuAccelerator(CPU_Accelerator):
 
     def pin_memory(self, tensor, align_bytes=1):
         return tensor  # no pinned host memory for this device
+
+    # -- tensor types: CUDA's accelerator makes them on its device (cuda_accelerator.py), the CPU's on the
+    # CPU, which the device's group refuses (ZeRO-0 bf16's overflow check all-reduces a ByteTensor) ------
+    def _typed(self, dtype: torch.dtype):
+        return functools.partial(torch.tensor, dtype=dtype, device=self.current_device_name())
+
+    BFloat16Tensor = property(lambda self: self._typed(torch.bfloat16))
+    ByteTensor = property(lambda self: self._typed(torch.uint8))
+    DoubleTensor = property(lambda self: self._typed(torch.double))
+    FloatTensor = property(lambda self: self._typed(torch.float))
+    HalfTensor = property(lambda self: self._typed(torch.half))
+    IntTensor = property(lambda self: self._typed(torch.int))
+    LongTensor = property(lambda self: self._typed(torch.long))
 
     # -- streams and events ---------------------------------------------------------------------------
     @property

@@ -290,3 +290,17 @@ def register_kernels() -> None:
         _kernels.impl("empty.memory_format", _empty, "PrivateUse1")
         _kernels.impl("empty_strided", _empty_strided, "PrivateUse1")
         _kernels.impl("_copy_from", _copy_from_kernel, "PrivateUse1")
+
+
+def take_foreach_paths() -> None:
+    """torch's optimizers and clip_grad_norm_ take their foreach kernels, as on CUDA, only for tensors
+    of a listed type (`_foreach_supported_types` of torch/optim/optimizer.py and of
+    torch/utils/_foreach_utils.py; DTensor adds itself so): list the device's, so that an optimizer
+    step holds the temporaries it holds on a GPU (AdamW: one sqrt(v) a state, where its per-tensor
+    path holds two)."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if FakeGpuTensor not in supported:
+            supported.append(FakeGpuTensor)

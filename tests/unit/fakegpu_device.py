@@ -242,6 +242,29 @@ def streams_and_events():
     return {"elapsed_ms_ok": start.elapsed_time(end) >= 0, "stream_device": str(stream.device)}
 
 
+@check
+def adamw_step_memory():
+    """Peak of an AdamW step on a 1 MiB (fp32) parameter over what it holds before the step (the
+    parameter, its gradient): Adam's m and v, and the temporaries of the path torch takes."""
+    param = torch.nn.Parameter(torch.zeros(MIB // 4, device="fakegpu"))
+    param.grad = torch.ones_like(param)
+    optimizer = torch.optim.AdamW([param])
+    before = torch.fakegpu.memory_allocated()
+    torch.fakegpu.reset_peak_memory_stats()
+    optimizer.step()
+    return (torch.fakegpu.max_memory_allocated() - before) / MIB
+
+
+@check
+def deepspeed_typed_tensors():
+    """The tensor types of DeepSpeed's accelerator (its overflow check all-reduces a ByteTensor)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    made = (accelerator.ByteTensor([1]), accelerator.FloatTensor([1.0]), accelerator.LongTensor([1]))
+    return [f"{t.dtype}@{t.device}" for t in made]
+
+
 if __name__ == "__main__":
     for name, fn in CHECKS.items():
         print_result({"check": name, "value": fn()})

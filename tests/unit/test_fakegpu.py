@@ -134,3 +134,17 @@ def test_in_place_metadata_ops_reshape_the_device_tensor(seen):
 
 def test_streams_and_events(seen):
     assert seen["streams_and_events"] == {"elapsed_ms_ok": True, "stream_device": "fakegpu:0"}
+
+
+def test_adamw_steps_with_its_foreach_kernels_as_on_a_gpu(seen):
+    # m and v (1 MiB each) and one sqrt(v) for all parameters (1 MiB): the foreach path a GPU takes;
+    # the per-tensor path would hold a second temporary (sqrt(v), then its quotient)
+    assert seen["adamw_step_memory"] == 3.0
+
+
+def test_deepspeeds_typed_tensors_are_made_on_the_device_as_cudas_are(seen):
+    assert seen["deepspeed_typed_tensors"] == [
+        "torch.uint8@fakegpu:0",
+        "torch.float32@fakegpu:0",
+        "torch.int64@fakegpu:0",
+    ]

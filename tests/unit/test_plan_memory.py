@@ -1,13 +1,28 @@
-"""The planner's training-memory formulas against the peak resident memory of real AdamW steps of
-a Llama-shaped model on this CPU (fp32, one rank), measured in a fresh process."""
+"""The planner's training-memory formulas: against the peak resident memory of real AdamW steps of
+a Llama-shaped model on this CPU (fp32, one rank), measured in a fresh process; and DeepSpeed's and
+verl's FSDP phases against hand-computed figures, with DeepSpeed's defaults they rest on read from
+DeepSpeed itself. (Against the engines on the emulated accelerator: bench/plan_vs_engines.py and
+tests/dist/test_plan_vs_engines.py.)"""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from analysis.memory import FP32, Layout, activations, training_states
+import pytest
+
+from analysis.memory import (
+    DEEPSPEED_BUCKET,
+    FP32,
+    Layout,
+    Site,
+    activations,
+    grpo_footprint,
+    sft_footprint,
+    training_states,
+)
 from analysis.model_shape import LlamaShape
+from core.config import GRPOStage, SFTStage, VerlConfig
 
 MODEL = {
     "vocab_size": 32000,
@@ -62,3 +77,104 @@ def test_states_and_step_peaks_match_the_formulas_within_25_percent():
             f"formula {formula / 1e6:.0f} MB, ratio {ratio:.3f}"
         )
         assert abs(ratio - 1) <= TOLERANCE, (name, ratio)
+
+
+P = SHAPE.params()  # 56.4M: fewer gradients than a DeepSpeed bucket holds
+B = 500_000_000  # DeepSpeed's reduce_bucket_size
+SITE = Site(gpu_bytes=80e9, gpus_per_node=4, runtime_per_rank=0.0)
+
+
+def sft_phases(dtype: str, zero: int, gpus: int = 4, offload: bool = False, shape=SHAPE) -> dict[str, float]:
+    stage = SFTStage(dtype=dtype, micro_batch_size=1, max_seq_len=64, parallel={"zero_stage": zero})
+    fp = sft_footprint(shape, stage, Layout(gpus, 1, zero, offload), SITE)
+    terms = {t.name: t.bytes for t in fp.gpu}
+    return {**fp.phase_bytes(), **terms}
+
+
+@pytest.mark.parametrize(
+    "zero, training_beside_weights_and_states, step_beside_weights_and_states",
+    [
+        # whole bf16 gradients, the all-reduce's flat copy of them; the step: every parameter's bf16
+        # gradient, its fp32 copy, AdamW's sqrt(v) (6 + 4 bytes)
+        (0, 2 * P + 2 * P, 10 * P),
+        # whole bf16 gradients, the 5e8-element bf16 bucket; the step on a quarter of them
+        (1, 2 * P + 2 * B, 10 * P / 4),
+        # a quarter of the bf16 gradients, the bucket and its flat copy of every gradient
+        (2, 2 * P / 4 + 2 * B + 2 * P, 10 * P / 4),
+    ],
+)
+def test_deepspeed_bf16_phases_hold_its_buckets_and_its_step_partitions(
+    zero, training_beside_weights_and_states, step_beside_weights_and_states
+):
+    found = sft_phases("bf16", zero)
+    weights_and_states = 2 * P + 12 * P / (4 if zero else 1)  # fp32 master + m + v, over dp from ZeRO-1
+    assert found["weights"] + found["optimizer"] == pytest.approx(weights_and_states)
+    training = weights_and_states + training_beside_weights_and_states + found["activations"]
+    assert found["training"] == pytest.approx(training)
+    assert found["optimizer_step"] == pytest.approx(weights_and_states + step_beside_weights_and_states)
+
+
+def test_deepspeed_fp32_keeps_a_master_partition_of_its_own_from_zero_1():
+    zero0, zero1 = sft_phases("fp32", 0), sft_phases("fp32", 1)
+    # ZeRO-0 is torch's AdamW on the weights (m, v); ZeRO-1 steps its own fp32 partition
+    assert (zero0["optimizer"], zero1["optimizer"]) == (pytest.approx(8 * P), pytest.approx(12 * P / 4))
+    # ZeRO-0's step holds the fp32 gradients and sqrt(v); ZeRO-1's the partition's gradients, their
+    # flat copy and sqrt(v)
+    assert zero0["optimizer_step"] == pytest.approx(4 * P + 8 * P + 4 * P + 4 * P)
+    assert zero1["optimizer_step"] == pytest.approx(4 * P + 12 * P / 4 + 12 * P / 4)
+    assert zero1["reduce_buffers"] == 4 * B  # the bucket is in the gradients' dtype
+
+
+def test_a_model_larger_than_a_bucket_reduces_bucket_by_bucket():
+    big = LlamaShape(**{**SHAPE.__dict__, "layers": 400})  # 1.2B parameters, more than 5e8
+    assert big.params() > B
+    assert sft_phases("bf16", 0, shape=big)["reduce_buffers"] == 2 * B  # a flat copy of one chunk
+    assert sft_phases("bf16", 2, shape=big)["reduce_buffers"] == 2 * B + 2 * B  # the bucket, its copy
+
+
+def test_deepspeed_offload_steps_on_the_host():
+    found = sft_phases("bf16", 2, offload=True)
+    assert found["optimizer"] == found["step_gradients"] == found["step_temporary"] == 0
+    assert found["optimizer_step"] == found["weights"]
+
+
+def test_the_deepspeed_the_model_assumes_is_the_one_our_engine_configures():
+    """The bucket size, overlap and gradient dtype are DeepSpeed's defaults, which our
+    deepspeed_config leaves alone."""
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from stages.engines.megatron_deepspeed import deepspeed_config
+
+    assert DEEPSPEED_BUCKET == B == MEMORY_OPT_ALLREDUCE_SIZE
+    for zero in (1, 2):
+        defaults = DeepSpeedZeroConfig(stage=zero)
+        assert defaults.reduce_bucket_size == B and defaults.contiguous_gradients
+        assert not defaults.overlap_comm and defaults.use_multi_rank_bucket_allreduce
+    config = deepspeed_config(SFTStage(dtype="bf16", micro_batch_size=1, global_batch_size=2), dp_size=2)
+    assert config["zero_optimization"] == {"stage": 1} and "data_types" not in config
+
+
+def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():
+    """fp32 weights, gradients, m and v, and sqrt(v), all over N; loaded back for it when offloaded."""
+    n = 8
+    for offload in (False, True):
+        verl = VerlConfig(param_offload=offload, optimizer_offload=offload)
+        layout = Layout(n, 1, 3, offload, True, offload)
+        fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", verl=verl), layout, SITE)
+        assert fp.phase_bytes()["optimizer_step"] == pytest.approx((4 + 4 + 8 + 4) * P / n)
+
+
+def test_verl_fsdp_activations_keep_layer_inputs_and_the_larger_of_a_layer_and_the_logits():
+    """Each layer's input in bf16; the whole sequences' bf16 logits and the response rows'
+    log-softmax (s + r rows a sequence) outweigh one recomputed layer for this vocabulary."""
+    b, prompt, r = 4, 256, 256
+    s = prompt + r
+    verl = VerlConfig(max_prompt_length=prompt, micro_batch_size_per_gpu=b)
+    fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", max_new_tokens=r, verl=verl), Layout(8, 1, 3), SITE)
+    found = {t.name: t.bytes for t in fp.gpu}["activations"]
+    layer_inputs = 8 * b * s * 2 * 512
+    one_layer = b * s * 2 * (6 * 512 + 2 * 256 + 4 * 1408)
+    logits = b * (s + r) * 32000 * 2
+    assert logits > one_layer
+    assert found == layer_inputs + logits

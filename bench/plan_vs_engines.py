@@ -1,0 +1,345 @@
+"""Device memory per GPU as analysis/memory.py predicts it, against what the real engines hold, on
+2 ranks of the emulated accelerator (tests/fakegpu), whose ledger counts the device's live storages
+apart from host memory, so that CPU offload shows as device memory no longer there.
+
+    python bench/plan_vs_engines.py                     # every case: the table, exit 1 if one is off
+    python bench/plan_vs_engines.py --case ds-bf16-z2   # some cases (repeat --case)
+    python bench/plan_vs_engines.py --json out.json     # the figures, for a test to read
+
+Per case, predicted and measured:
+- states: what stays on the device after an optimizer step (weights and optimizer states; the
+  gradients are freed by then), and for the offloaded case what went to host memory instead;
+- peak: the most the device held while the engine was built and took two steps.
+A case fails when a measurement is more than 10% off its prediction (a prediction of 0 bytes: more
+than 10% of the predicted peak).
+
+The models are Llama-shaped with random bf16 weights (MODELS): "wide", the tiny model's
+architecture widened until its states dominate a micro-batch's activations (63M parameters, 64
+tokens a micro-batch); "vocab", narrow (4M parameters) with a 32000-token vocabulary, where the
+logits of a 4 x 512-token micro-batch dominate. The cases:
+- ds-*: our SFT engine itself (stages/engines/megatron_deepspeed.py: megatron-core, DeepSpeed ZeRO
+  with its deepspeed_config), train_step of one micro-batch per step; predicted by sft_footprint.
+- fsdp2, fsdp2-offload: the actor as verl 0.9.1 shards it with strategy fsdp2 (verl's own
+  apply_fsdp2: fp32 shards, bf16 compute, a unit per decoder layer and per embedding), gradient
+  checkpointing, torch's AdamW; with offload, verl's own offload functions move the parameters and
+  the optimizer states to host memory after each update and back before the next, as
+  param_offload and optimizer_offload do; predicted by grpo_footprint (engine verl, backend fsdp).
+  The loss is verl's: log-probabilities of the response half of each sequence, from the logits of
+  the whole sequence (its no-remove-padding path, which our verl_trainer sets) with verl's own
+  logprobs_from_logits. fsdp2-logits: the same on the "vocab" model. (The plan counts the gathered
+  weights as FSDP1 gathers them, verl's default strategy: the embeddings with one layer, where
+  apply_fsdp2 makes each embedding a unit of its own; a few MiB over here.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footprint  # noqa: E402
+from analysis.model_shape import LlamaShape, shape_from_hf_config  # noqa: E402
+from core.config import GRPOStage, SFTStage, VerlConfig  # noqa: E402
+
+MODELS = {
+    "wide": {
+        "vocab_size": 8192,
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+    },
+    "vocab": {
+        "vocab_size": 32000,
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+    },
+}
+RANKS, STEPS = 2, 2
+TOLERANCE = 0.10
+MIB = 2**20
+GPU_BYTES = 80 * 2**30  # what the emulated device reports (tests/fakegpu/device.py TOTAL_MEMORY)
+
+
+@dataclass(frozen=True)
+class Case:
+    engine: str
+    """deepspeed (our SFT engine) or fsdp2 (verl's FSDP2 actor)."""
+    dtype: str = "bf16"
+    zero: int = 1
+    offload: bool = False
+    model: str = "wide"
+    batch: int = 1
+    """Sequences a micro-batch (one a step)."""
+    seq: int = 64
+    """Tokens a sequence; under fsdp2 the second half is the response."""
+
+
+CASES = {
+    "ds-bf16-z0": Case("deepspeed", zero=0),
+    "ds-bf16-z1": Case("deepspeed", zero=1),
+    "ds-bf16-z2": Case("deepspeed", zero=2),
+    "ds-fp32-z1": Case("deepspeed", dtype="fp32", zero=1),
+    "fsdp2": Case("fsdp2", zero=3),
+    "fsdp2-offload": Case("fsdp2", zero=3, offload=True),
+    "fsdp2-logits": Case("fsdp2", zero=3, model="vocab", batch=4, seq=512),
+}
+
+
+# -- prediction ---------------------------------------------------------------------------------------
+def sft_stage(case: Case) -> SFTStage:
+    """One micro-batch a rank and step."""
+    return SFTStage(
+        dtype=case.dtype,
+        micro_batch_size=case.batch,
+        global_batch_size=case.batch * RANKS,
+        max_seq_len=case.seq,
+        parallel={"tp": 1, "pp": 1, "zero_stage": case.zero},
+    )
+
+
+def predict(case: Case, shape: LlamaShape) -> dict[str, float]:
+    """states (on the device between steps), host (offloaded, a rank) and peak, as the planner says."""
+    site = Site(gpu_bytes=GPU_BYTES, gpus_per_node=RANKS, runtime_per_rank=0.0)
+    if case.engine == "deepspeed":
+        fp = sft_footprint(shape, sft_stage(case), Layout(RANKS, 1, case.zero), site)
+        return figures(fp, resident=("weights", "optimizer"), steps=("training", "optimizer_step"))
+    o, response = case.offload, case.seq // 2
+    verl = VerlConfig(
+        max_prompt_length=case.seq - response,
+        micro_batch_size_per_gpu=case.batch,
+        rollout_tp=1,
+        param_offload=o,
+        optimizer_offload=o,
+    )
+    stage = GRPOStage(engine="verl", max_new_tokens=response, verl=verl)
+    fp = grpo_footprint(shape, stage, Layout(RANKS, 1, 3, o, True, o), site)
+    # outside its use the actor keeps on the device what the generation phase holds beside vLLM
+    resident = tuple(name for name in fp.phases["generation"] if name != "rollout_budget")
+    return figures(fp, resident, steps=("training", "optimizer_step"))
+
+
+def figures(fp: Footprint, resident: tuple[str, ...], steps: tuple[str, ...]) -> dict[str, float]:
+    by_name, phases = {t.name: t.bytes for t in fp.gpu}, fp.phase_bytes()
+    offloaded = {t.name: t.bytes for t in fp.host}["offloaded"] / RANKS  # the node's, RANKS ranks
+    return {
+        "states": sum(by_name[n] for n in resident),
+        "host": offloaded,
+        "peak": max(phases[p] for p in steps),
+    }
+
+
+# -- measurement (the worker, one a rank) -------------------------------------------------------------
+def worker(name: str, model_dir: Path) -> None:
+    import torch
+
+    from runtime.dist import init_distributed, shutdown_distributed
+    from tests.dist.workers.results import print_result
+
+    init_distributed()
+    torch.accelerator.reset_peak_memory_stats()
+    case = CASES[name]
+    measured = (train_deepspeed if case.engine == "deepspeed" else train_fsdp2)(case, model_dir)
+    measured["peak"] = torch.accelerator.max_memory_allocated()
+    print_result({"rank": int(os.environ["RANK"]), **measured})
+    shutdown_distributed()
+
+
+def random_batches(case: Case, device):
+    """STEPS micro-batches of random token ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    vocab = MODELS[case.model]["vocab_size"]
+    return [torch.randint(0, vocab, (case.batch, case.seq), generator=g).to(device) for _ in range(STEPS)]
+
+
+def train_deepspeed(case: Case, model_dir: Path) -> dict:
+    """STEPS steps of our SFT engine (its own train_step), one micro-batch a rank and step."""
+    import torch
+
+    from stages.data.sft_batches import MicroBatch
+    from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
+
+    engine = MegatronDeepSpeedEngine(model_dir, sft_stage(case), seed=0)
+    positions = torch.arange(case.seq).expand(case.batch, case.seq)
+    for ids in random_batches(case, "cpu"):
+        batch = MicroBatch(ids, ids.roll(-1, 1), torch.ones(ids.shape), positions)
+        engine.train_step([batch], global_loss_tokens=ids.numel() * RANKS)
+    return {"states": torch.accelerator.memory_allocated(), "host": 0}
+
+
+def train_fsdp2(case: Case, model_dir: Path) -> dict:
+    """STEPS updates of the actor as verl builds it with strategy fsdp2 (workers/engine/fsdp/
+    transformer_impl.py: MixedPrecisionPolicy bf16/fp32, apply_fsdp2), its log-probs taken with
+    verl's own function; with offload, verl's offload and load functions around each update."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from verl.utils.fsdp_utils import (
+        apply_fsdp2,
+        load_fsdp_optimizer,
+        offload_fsdp2_model_to_cpu,
+        offload_fsdp_optimizer,
+    )
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    from runtime.dist import rank_device
+
+    device = rank_device()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True
+    )
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    apply_fsdp2(
+        model, {"mesh": mesh, "mp_policy": mp, "offload_policy": None, "reshard_after_forward": True}, {}
+    )
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01)
+
+    def offload():  # what verl does after an update with param_offload and optimizer_offload
+        offload_fsdp2_model_to_cpu(model, empty_cache=False)
+        offload_fsdp_optimizer(optimizer)
+
+    def load():  # before the next one (load_fsdp2_model_to_gpu moves the model to verl's device)
+        model.to(device)
+        load_fsdp_optimizer(optimizer, device)
+
+    def policy_loss(ids):
+        """verl's no-remove-padding path: the whole sequences' logits, the response's log-probs;
+        the logits are gone by the backward, as they are out of verl's forward_step by then."""
+        response = case.seq // 2
+        logits = model(input_ids=ids, use_cache=False).logits[:, -response - 1 : -1]
+        return -logprobs_from_logits(logits, ids[:, -response:]).mean()
+
+    for step, ids in enumerate(random_batches(case, device)):
+        if case.offload and step:
+            load()
+        policy_loss(ids).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if case.offload:
+            offload()
+    return {"states": torch.accelerator.memory_allocated(), "host": host_bytes(model, optimizer)}
+
+
+def host_bytes(model, optimizer) -> int:
+    """Bytes of this rank's parameter shards and optimizer states that are in host memory."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()]
+    tensors += [local(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(t.numel() * t.element_size() for t in tensors if t.device.type == "cpu")
+
+
+# -- the parent: model, ranks, table ------------------------------------------------------------------
+def write_model(directory: Path, spec: dict) -> LlamaShape:
+    """A Llama of `spec` with random weights, as a Hugging Face directory (bf16 safetensors)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**spec, rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    return shape_from_hf_config(directory / "config.json")
+
+
+def measure(name: str, model_dir: Path) -> dict[str, float]:
+    """The case on RANKS ranks of the emulated device: each measurement's largest over the ranks."""
+    from tests import fakegpu
+    from tests.conftest import free_port
+    from tests.dist.workers.results import read_results
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}"]
+    cmd += [f"--master-port={free_port()}", __file__, "--worker", name, "--model", str(model_dir)]
+    env = fakegpu.child_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    results = read_results(proc.stdout)
+    if proc.returncode != 0 or len(results) != RANKS:
+        raise RuntimeError(
+            f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return {key: max(r[key] for r in results) for key in ("states", "host", "peak")}
+
+
+def run_case(name: str, shapes: dict[str, LlamaShape], models: Path) -> dict:
+    case = CASES[name]
+    return compare(name, predict(case, shapes[case.model]), measure(name, models / case.model))
+
+
+def deviation(measured: float, predicted: float, scale: float) -> float:
+    """How far off a prediction is: relative to itself, or to `scale` where it is 0 bytes."""
+    return abs(measured - predicted) / (predicted or scale)
+
+
+def compare(name: str, predicted: dict, measured: dict) -> dict:
+    keys = ("states", "peak") + (("host",) if predicted["host"] else ())
+    rows = {
+        key: {
+            "predicted": predicted[key],
+            "measured": measured[key],
+            "ratio": measured[key] / predicted[key] if predicted[key] else None,
+            "off": deviation(measured[key], predicted[key], predicted["peak"]),
+        }
+        for key in keys
+    }
+    return {"case": name, "ok": all(r["off"] <= TOLERANCE for r in rows.values()), "figures": rows}
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'case':<15} {'what':<7} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>7}  verdict")
+    for result in results:
+        for key, r in result["figures"].items():
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+            verdict = "ok" if r["off"] <= TOLERANCE else f"OFF by {r['off']:.0%}"
+            row = f"{r['predicted'] / MIB:14.1f} {r['measured'] / MIB:13.1f} {ratio:>7}  {verdict}"
+            print(f"{result['case']:<15} {key:<7} {row}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.model)
+        return 0
+    names = args.case or list(CASES)
+    with tempfile.TemporaryDirectory(prefix="plan-vs-engines-") as tmp:
+        models = {CASES[n].model for n in names}
+        shapes = {m: write_model(Path(tmp) / m, MODELS[m]) for m in sorted(models)}
+        results = [run_case(n, shapes, Path(tmp)) for n in names]
+    print_table(results)
+    if args.json:
+        params = {m: shape.params() for m, shape in shapes.items()}
+        args.json.write_text(json.dumps({"params": params, "results": results}, indent=1))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
