@@ -75,9 +75,9 @@ def test_zero_stage_divides_exactly_its_states_by_dp(zero, sharded):
 def independent_70b_sft_min_gpus(gpu_gib: float, counts: list[int]) -> int | None:
     """The least-memory layout SFT can build without offload (TP 4 = a node, ZeRO-2, full
     recomputation), written out from the 70B config's numbers: bf16 weights, ZeRO-2-sharded bf16
-    gradients and fp32 master + Adam states, DeepSpeed's 5e8-element bf16 gradient bucket and its flattened copy, each
-    layer's input kept, one layer's activations, the logits; then the optimizer step: weights,
-    master + Adam, the partition's bf16 gradients, their fp32 copy and AdamW's sqrt(v)."""
+    gradients and fp32 master + Adam states, DeepSpeed's 5e8-element bf16 gradient bucket and its
+    flattened copy, each layer's input kept, one layer's activations, the logits; then the optimizer
+    step: weights, master + Adam, the partition's bf16 gradients, their fp32 copy and AdamW's sqrt(v)."""
     P, L, h, kv, f, a, V, s, tp = 70_553_706_496, 80, 8192, 1024, 28672, 64, 128256, 1024, 4
     one_layer = s * 2 * (4 * h + (2 * h + 2 * kv + 4 * f + 2 * a * s) / tp)
     activations = L * s * 2 * h + one_layer + s * V * 10 / tp
