@@ -43,8 +43,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = _parser()
     # Overrides may follow options (`run CFG --run-dir D a.b=1`): leftovers are overrides where taken.
     args, leftover = parser.parse_known_args(argv)
-    if leftover and not hasattr(args, "overrides"):
-        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    # An option the command does not know is an unknown option, not a malformed override.
+    unknown = [arg for arg in leftover if arg.startswith("-")]
+    if unknown or (leftover and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or leftover)}")
     if leftover:
         args.overrides = [*args.overrides, *leftover]
     return args
@@ -73,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--nodes", type=int, default=1, help="nodes per stage job")
     sb.add_argument("--run-dir", help="default: runs/<name>")
     sb.add_argument("--dry-run", action="store_true", help="write and print the scripts, submit nothing")
+    sb.add_argument("--only", help="comma-separated stage ids")
+    sb.add_argument("--from", dest="from_stage", metavar="STAGE", help="this stage and those after it")
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sb.set_defaults(func=cmd_submit)
 
@@ -223,8 +227,25 @@ def cmd_submit(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
-    submit(cfg, run, Path(args.config).parent, load_profile(args.cluster), args.nodes, args.dry_run)
+    only = selected_stages(cfg, args.only, args.from_stage)
+    submit(
+        cfg, run, Path(args.config).parent, load_profile(args.cluster), args.nodes, args.dry_run, only=only
+    )
     return 0
+
+
+def selected_stages(cfg, only: str | None, from_stage: str | None) -> list[str] | None:
+    """--only's stages, or --from's stage and every one after it in graph order; None: all."""
+    from core.config import ConfigError
+
+    stages = list(cfg.stages())
+    if only and from_stage:
+        raise ConfigError("--from", "give --only or --from, not both")
+    if from_stage is None:
+        return only.split(",") if only else None
+    if from_stage not in stages:
+        raise ConfigError("--from", f"no stage {from_stage!r} (stages: {', '.join(stages)})")
+    return stages[stages.index(from_stage) :]
 
 
 def cmd_sweep(args) -> int:
