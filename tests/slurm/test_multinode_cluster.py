@@ -4,6 +4,7 @@ across both (plain and under pmix), and nothing left behind by the stop."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.slurm
 
 def srun(env, *cmd: str) -> list[str]:
     out = subprocess.run(
-        ["srun", "-N2", "--ntasks-per-node=1", *cmd], env=env, capture_output=True, text=True, timeout=60
+        ["srun", "-N2", "--ntasks-per-node=1", *cmd], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return sorted(out.stdout.splitlines())
@@ -37,6 +38,17 @@ def test_node_names_resolve_on_every_node(multinode_env):
 def test_pmix_steps_span_the_nodes(multinode_env):
     lines = srun(multinode_env, "--mpi=pmix", "bash", "-c", 'echo "$(hostname) $PMIX_RANK"')
     assert lines == ["mnode1 0", "mnode2 1"]
+
+
+def test_mpi_rendezvous_across_nodes_finds_rank_world_and_master(multinode_env):
+    """srun --mpi=pmix with no MASTER_ADDR: rank 0's host name, resolved on its node, is the master."""
+    env = {k: v for k, v in multinode_env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    code = (
+        "import os, socket; from runtime.dist import rendezvous; i = rendezvous(); "
+        "print(socket.gethostname(), i.rank, i.world_size, i.local_rank, i.source, os.environ['MASTER_ADDR'])"
+    )
+    lines = srun(env, "--mpi=pmix", sys.executable, "-c", code)
+    assert lines == ["mnode1 0 2 0 mpi 10.213.17.11", "mnode2 1 2 0 mpi 10.213.17.11"]
 
 
 def test_stop_leaves_no_namespace_link_or_daemon_and_start_is_idempotent():
