@@ -113,6 +113,9 @@ class ClusterProfile(Section):
     """Environment set before launch (NCCL/libfabric settings, caches)."""
     setup: list[str] = []
     """Shell lines run before the stage, e.g. 'module load cudatoolkit' (trusted: written by the site)."""
+    slurm_conf: str | None = None
+    """The Slurm config file (SLURM_CONF) that sbatch, squeue, sacct and scancel read for this cluster,
+    for one whose clients do not find theirs (the local ones); unset: the clients' own lookup."""
     ray: RayPorts = RayPorts()
     """Ports and start-up timeout of the Ray cluster a verl GRPO stage starts on its allocation."""
 

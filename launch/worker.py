@@ -47,6 +47,17 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def address_towards(host: str) -> str:
+    """This host's address on the route to `host` (the master): which node, and which network, the
+    rank talks from. A UDP connect sends nothing; it only picks the route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError as e:  # a name that does not resolve here: the rendezvous fails and says why
+        return f"unknown ({e})"
+
+
 def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
     import torch.distributed as dist
@@ -68,12 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
     info = init_distributed(mpi_calls=bootstrap)
     logging.getLogger("hpcr1").info(
-        "rank %d of %d on %s (%s), host %s, master %s:%s, ranks from %s",
+        "rank %d of %d on %s (%s), host %s address %s, master %s:%s, ranks from %s",
         info.rank,
         info.world_size,
         rank_device(),
         dist.get_backend(),
         socket.gethostname(),
+        address_towards(os.environ["MASTER_ADDR"]),
         os.environ["MASTER_ADDR"],
         os.environ["MASTER_PORT"],
         info.source,

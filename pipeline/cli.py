@@ -43,8 +43,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = _parser()
     # Overrides may follow options (`run CFG --run-dir D a.b=1`): leftovers are overrides where taken.
     args, leftover = parser.parse_known_args(argv)
-    if leftover and not hasattr(args, "overrides"):
-        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    # An option the command does not know is an unknown option, not a malformed override.
+    unknown = [arg for arg in leftover if arg.startswith("-")]
+    if unknown or (leftover and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or leftover)}")
     if leftover:
         args.overrides = [*args.overrides, *leftover]
     return args
@@ -70,9 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("submit", help="submit the stages as chained Slurm jobs")
     sb.add_argument("config")
     sb.add_argument("--cluster", required=True, help="profile name in slurm/profiles/ or a YAML path")
-    sb.add_argument("--nodes", type=int, default=1, help="nodes per stage job")
+    sb.add_argument("--nodes", type=int, help=NODES_HELP)
     sb.add_argument("--run-dir", help="default: runs/<name>")
     sb.add_argument("--dry-run", action="store_true", help="write and print the scripts, submit nothing")
+    sb.add_argument("--only", help="comma-separated stage ids")
+    sb.add_argument("--from", dest="from_stage", metavar="STAGE", help="this stage and those after it")
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sb.set_defaults(func=cmd_submit)
 
@@ -101,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     rs = sub.add_parser("resume", help="continue a run from its first stage that is not done")
     rs.add_argument("run_dir")
     rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
-    rs.add_argument("--nodes", type=int, default=1)
+    rs.add_argument("--nodes", type=int, help=NODES_HELP)
     add_launcher_option(rs)
     rs.set_defaults(func=cmd_resume)
 
@@ -151,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     ev.set_defaults(func=cmd_eval)
     return p
+
+
+NODES_HELP = "nodes per stage job (default: the config's nproc over the profile's tasks per node)"
 
 
 def add_launcher_option(parser: argparse.ArgumentParser) -> None:
@@ -223,8 +230,39 @@ def cmd_submit(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
-    submit(cfg, run, Path(args.config).parent, load_profile(args.cluster), args.nodes, args.dry_run)
+    only = selected_stages(cfg, args.only, args.from_stage)
+    profile = load_profile(args.cluster)
+    submit(
+        cfg,
+        run,
+        Path(args.config).parent,
+        profile,
+        job_nodes(args.nodes, cfg, profile),
+        args.dry_run,
+        only=only,
+    )
     return 0
+
+
+def job_nodes(nodes: int | None, cfg, profile) -> int:
+    """--nodes, or as many nodes as the config's ranks fill (nproc 2, one rank a node: 2)."""
+    from pipeline.sweep import nodes_for
+
+    return nodes if nodes is not None else nodes_for(cfg.nproc, profile)
+
+
+def selected_stages(cfg, only: str | None, from_stage: str | None) -> list[str] | None:
+    """--only's stages, or --from's stage and every one after it in graph order; None: all."""
+    from core.config import ConfigError
+
+    stages = list(cfg.stages())
+    if only and from_stage:
+        raise ConfigError("--from", "give --only or --from, not both")
+    if from_stage is None:
+        return only.split(",") if only else None
+    if from_stage not in stages:
+        raise ConfigError("--from", f"no stage {from_stage!r} (stages: {', '.join(stages)})")
+    return stages[stages.index(from_stage) :]
 
 
 def cmd_sweep(args) -> int:
@@ -257,7 +295,8 @@ def cmd_resume(args) -> int:
     run = RunDir(Path(args.run_dir))
     cfg = load_resolved(run)
     if args.cluster:
-        submit(cfg, run, run.root, load_profile(args.cluster), args.nodes, dry_run=False)
+        profile = load_profile(args.cluster)
+        submit(cfg, run, run.root, profile, job_nodes(args.nodes, cfg, profile), dry_run=False)
         return 0
     return run_here(cfg, run, run.root, launcher=args.launcher)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from core.manifest import Manifest
 from core.rundir import RunDir
-from launch.slurm_jobs import job_states
+from launch.slurm_jobs import ENDED_BADLY, job_states, recorded_conf
 
 
 def last_step(metrics: Path) -> int | None:
@@ -20,7 +20,7 @@ def last_step(metrics: Path) -> int | None:
 def stage_rows(run_dir: Path) -> list[str]:
     run, manifest = RunDir(run_dir), Manifest(run_dir)
     stages = manifest.data["stages"]
-    slurm = job_states([e["job_id"] for e in stages.values() if e.get("job_id")])
+    slurm = job_states([e["job_id"] for e in stages.values() if e.get("job_id")], recorded_conf(stages))
     rows = [
         f"{'stage':<14} {'state':<8} {'attempts':>8} {'last step':>9} {'accuracy':>8}  {'job':<8} "
         f"{'slurm state':<22} {'elapsed':>9}"
@@ -35,7 +35,46 @@ def stage_rows(run_dir: Path) -> list[str]:
             f"{'-' if accuracy is None else f'{accuracy:.3f}':>8}  {job:<8} {state:<22} {elapsed:>9}"
         )
     failed = [(sid, e["error"]) for sid, e in stages.items() if e["state"] == "failed" and e.get("error")]
-    return rows + [f"{sid}: {_summary(error)}" for sid, error in failed]
+    return (
+        rows + [f"{sid}: {_summary(error)}" for sid, error in failed] + never_running(run_dir, stages, slurm)
+    )
+
+
+def never_running(run_dir: Path, stages: dict, slurm: dict) -> list[str]:
+    """A line for each queued stage that waits (afterok, through other queued stages) on one that
+    failed: Slurm drops such a job (or holds it for DependencyNeverSatisfied), so it will not run."""
+    lines = []
+    for sid, entry in stages.items():
+        root = failed_upstream(stages, slurm, sid)
+        if root:
+            lines.append(
+                f"{sid}: will not run: it waits on {root}, which failed; "
+                f"`hpcr1 resume {run_dir} --cluster {entry.get('cluster', 'NAME')}` resubmits from {root}"
+            )
+    return lines
+
+
+def failed_upstream(stages: dict, slurm: dict, sid: str) -> str | None:
+    """The failed stage that `sid`'s job waits on, if any; None when it may still run."""
+    if stages[sid]["state"] != "pending" or not stages[sid].get("job_id"):
+        return None
+    up = stages[sid].get("after")
+    while up in stages:
+        if job_failed(stages[up], slurm):
+            return up
+        if stages[up]["state"] != "pending":
+            return None
+        up = stages[up].get("after")
+    return None
+
+
+def job_failed(entry: dict, slurm: dict) -> bool:
+    """Whether the stage's last job ended without success: Slurm's word where it still knows the job
+    (a resubmitted stage keeps "failed" in the manifest until its new job starts), else the manifest's."""
+    state = slurm.get(entry.get("job_id") or "-", (None,))[0]
+    if state is None:
+        return entry["state"] == "failed"
+    return state.startswith(ENDED_BADLY)
 
 
 def _summary(error: dict | str) -> str:

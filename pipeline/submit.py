@@ -19,6 +19,7 @@ from core.config import ConfigError, RunConfig, load_resolved
 from core.manifest import Manifest
 from core.rundir import RunDir
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
+from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
@@ -77,7 +78,7 @@ def _submit_stages(
 ) -> dict[str, str]:
     manifest = Manifest(run.root)
     submitted: dict[str, str] = {}
-    previous = None
+    previous, waits_on = None, None
     for sid in [sid for sid in stages_to_run(cfg, run, manifest) if not only or sid in only]:
         script = run.logs(sid) / f"{sid}.sbatch"
         render = render_verl_script if sid in verl_stages(cfg) else render_stage_script
@@ -87,12 +88,15 @@ def _submit_stages(
             echo(f"{sid}: {script}\n  {' '.join(cmd)}")
             submitted[sid] = str(script)
             continue
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=slurm_env(profile.slurm_conf))
         if out.returncode != 0:
             raise RuntimeError(f"sbatch for {sid} failed: {out.stderr.strip()}")
         previous = out.stdout.strip().split(";")[0]
-        manifest.update(sid, job_id=previous, cluster=profile.name)
-        submitted[sid] = previous
+        # `after`: the stage this job waits on (afterok), for status to say when it never will run.
+        manifest.update(
+            sid, job_id=previous, cluster=profile.name, slurm_conf=profile.slurm_conf, after=waits_on
+        )
+        submitted[sid], waits_on = previous, sid
         echo(f"{sid}: submitted as job {previous}")
     return submitted
 
@@ -126,7 +130,8 @@ def cancel(run: RunDir, echo=print) -> list[str]:
     manifest = Manifest(run.root)
     jobs = [e["job_id"] for e in manifest.data["stages"].values() if e.get("job_id") and e["state"] != "done"]
     if jobs:
-        subprocess.run(["scancel", *jobs], check=False)
+        conf = recorded_conf(manifest.data["stages"])
+        subprocess.run(["scancel", *jobs], check=False, env=slurm_env(conf))
     for sid, entry in manifest.data["stages"].items():
         if entry.get("job_id") in jobs and entry["state"] in ("pending", "running"):
             manifest.fail(sid, {"summary": "cancelled by hpcr1 cancel"})

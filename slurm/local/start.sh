@@ -57,18 +57,8 @@ else
   rm "$conf.new"
 fi
 
-# munge: a key if there is none, then the daemon unless one already answers.
-if [ ! -s /etc/munge/munge.key ]; then
-  mkdir -p /etc/munge
-  dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
-fi
-mkdir -p /run/munge && chown munge:munge /run/munge
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-  mkdir -p "$dir/munge" && chown munge:munge "$dir/munge"
-  runuser -u munge -- /usr/sbin/munged --pid-file="$dir/munge/munged.pid"
-  touch "$dir/run/munged.ours"
-fi
+# One munged for every local cluster: started only if none answers.
+"$here/munge.sh" "$dir"
 
 alive "$dir/run/slurmctld.pid" || slurmctld -f "$conf"
 alive "$dir/run/slurmd.pid" || slurmd -f "$conf"

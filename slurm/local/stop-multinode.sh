@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Stops what start-multinode.sh started, and only that: its slurmds and slurmctld (by their pid
+# files under $HPCR1_MN_DIR), what its jobs left running in the node namespaces, munged if it was
+# the one to start it; then deletes the namespaces, veths and bridge. Safe to run any number of times.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+dir=${HPCR1_MN_DIR:-/var/tmp/hpcr1-slurm-multinode}
+# shellcheck source=slurm/local/multinode-net.sh
+. "$here/multinode-net.sh"
+
+stop_pid() {
+  local pid=$1
+  kill -0 "$pid" 2>/dev/null || return 0
+  kill "$pid"
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
+  kill -9 "$pid" 2>/dev/null || true
+}
+stop_pidfile() {
+  [ -s "$1" ] && stop_pid "$(cat "$1")"
+  rm -f "$1"
+}
+
+for pidfile in "$dir"/run/slurmd-*.pid; do [ -e "$pidfile" ] && stop_pidfile "$pidfile"; done
+stop_pidfile "$dir/run/slurmctld.pid"
+# A job's processes (ranks, stepds) outlive their slurmd; all in these namespaces are the cluster's.
+for ((k = 1; k <= MAX_NODES; k++)); do
+  ns=$(netns_name "$k")
+  [ -e "/run/netns/$ns" ] || continue
+  for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
+done
+if [ -e "$dir/run/munged.ours" ]; then
+  stop_pidfile "$dir/munge/munged.pid"
+  rm -f "$dir/run/munged.ours"
+fi
+net_down

@@ -1,0 +1,129 @@
+"""The Slurm commands as a user meets them, against fake Slurm clients on PATH that record what they
+were called with: the profile's SLURM_CONF reaches sbatch, squeue, sacct and scancel; `submit` takes
+--only and --from, and calls an unknown option one; `status` says when a queued stage waits on one
+that failed, and `resume --cluster` resubmits from the failed one."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.cli import main
+from tests.conftest import REPO, SMALL_RUN
+
+TWO_STAGES = {**SMALL_RUN, "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"}}
+LOCAL_CONF = "/var/tmp/hpcr1-slurm/etc/slurm.conf"
+# Each fake client logs "name SLURM_CONF args..." and prints what the test put in <name>.out.
+FAKE = """#!/bin/bash
+echo "$(basename "$0") ${SLURM_CONF:-unset} $*" >> "$FAKE_SLURM/calls"
+if [ "$(basename "$0")" = sbatch ]; then
+  n=$(( $(cat "$FAKE_SLURM/next" 2>/dev/null || echo 100) + 1 )); echo "$n" > "$FAKE_SLURM/next"; echo "$n"
+else
+  cat "$FAKE_SLURM/$(basename "$0").out" 2>/dev/null || true
+fi
+"""
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch, capsys):
+    """The fake clients' directory, and `hpcr1(*args)`: the command line run in this process (no
+    second interpreter to import torch), with the fakes first on PATH and no SLURM_CONF exported."""
+    bin_dir = tmp_path / "fake-slurm"
+    bin_dir.mkdir()
+    for name in ("sbatch", "squeue", "sacct", "scancel"):
+        (bin_dir / name).write_text(FAKE)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM", str(bin_dir))
+    monkeypatch.chdir(REPO)
+
+    def hpcr1(*args: str) -> Result:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's errors
+            code = e.code
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return bin_dir, hpcr1
+
+
+def calls(bin_dir: Path, name: str) -> list[list[str]]:
+    lines = (bin_dir / "calls").read_text().splitlines() if (bin_dir / "calls").exists() else []
+    return [line.split()[1:] for line in lines if line.split()[0] == name]
+
+
+def submitted(bin_dir: Path) -> list[str]:
+    return [arg.split("=", 1)[1] for call in calls(bin_dir, "sbatch") for arg in call if "--job-name" in arg]
+
+
+def submit(hpcr1, tmp_path, *extra) -> Result:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(TWO_STAGES))
+    return hpcr1("submit", str(path), "--cluster", "local", "--run-dir", str(tmp_path / "run"), *extra)
+
+
+def test_the_profiles_slurm_conf_reaches_every_slurm_call(fake_slurm, tmp_path):
+    bin_dir, hpcr1 = fake_slurm
+    out = submit(hpcr1, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [call[0] for call in calls(bin_dir, "sbatch")] == [LOCAL_CONF, LOCAL_CONF]
+    hpcr1("status", str(tmp_path / "run"))
+    hpcr1("cancel", str(tmp_path / "run"))
+    assert {call[0] for name in ("squeue", "sacct", "scancel") for call in calls(bin_dir, name)} == {
+        LOCAL_CONF
+    }
+
+
+def test_submit_takes_only_and_from(fake_slurm, tmp_path):
+    bin_dir, hpcr1 = fake_slurm
+    out = submit(hpcr1, tmp_path, "--only", "stage1_sft")
+    assert out.returncode == 0, out.stderr
+    assert submitted(bin_dir) == ["hpcr1-stage1_sft"]
+    out = submit(hpcr1, tmp_path, "--from", "stage3_sft")
+    assert out.returncode == 0, out.stderr
+    assert submitted(bin_dir) == ["hpcr1-stage1_sft", "hpcr1-stage3_sft"]
+
+
+def test_an_unknown_option_is_called_one(fake_slurm, tmp_path):
+    _, hpcr1 = fake_slurm
+    out = submit(hpcr1, tmp_path, "--bogus", "x")
+    assert out.returncode == 2
+    assert "unrecognized arguments: --bogus" in out.stderr and "override" not in out.stderr
+
+
+def test_status_says_a_dependant_of_a_failed_stage_will_not_run_and_resume_resubmits(fake_slurm, tmp_path):
+    bin_dir, hpcr1 = fake_slurm
+    assert submit(hpcr1, tmp_path).returncode == 0
+    run = tmp_path / "run"
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"]["stage1_sft"].update(state="failed", error={"summary": "rank 0 failed"})
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    first, second = (manifest["stages"][s]["job_id"] for s in ("stage1_sft", "stage3_sft"))
+    # Slurm has dropped the dependant (kill_invalid_depend): the completion log says CANCELLED.
+    (bin_dir / "sacct.out").write_text(f"{first}|FAILED|00:00:09\n{second}|CANCELLED by 0|00:00:00\n")
+    status = hpcr1("status", str(run)).stdout
+    assert f"stage3_sft: will not run: it waits on stage1_sft, which failed; `hpcr1 resume {run}" in status
+
+    out = hpcr1("resume", str(run), "--cluster", "local")
+    assert out.returncode == 0, out.stderr
+    assert submitted(bin_dir)[2:] == ["hpcr1-stage1_sft", "hpcr1-stage3_sft"]
+    resubmitted = json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["job_id"]
+    assert f"--dependency=afterok:{resubmitted}" in calls(bin_dir, "sbatch")[-1]
+    # The new jobs are queued: stage 1's "failed" from its last attempt no longer dooms stage 3.
+    (bin_dir / "squeue.out").write_text(f"{resubmitted}|PENDING|0:00|None\n")
+    assert "will not run" not in hpcr1("status", str(run)).stdout
