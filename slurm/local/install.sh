@@ -5,6 +5,9 @@
 set -euo pipefail
 need=()
 command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+# The multi-node cluster (start-multinode.sh): network namespaces, veths and a bridge.
+command -v ip >/dev/null || need+=(iproute2)
+command -v nsenter >/dev/null || need+=(util-linux)
 for pkg in munge slurmctld slurmd slurm-client; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need+=("$pkg")
 done
