@@ -7,8 +7,10 @@ Checks, each a subprocess with its own time limit and log (under --out):
   commbench   NCCL collectives over the node's GPUs (launch.commbench --backend nccl)
   sft_mfu     megatron-core + DeepSpeed SFT of a random ~1.5B Llama (Llama 3.1 8B's shape cut to 2
               layers) in bf16: tokens/s and MFU (bench/gpu_mfu.py)
-  pipeline    the embedded default, all five stages and their held-out evals, on the GPUs
-  report      `hpcr1 report` of that run: its events must be NCCL's
+  pipeline    the embedded default, all five stages and their held-out evals, on the GPUs (SFT with
+              DeepSpeed's overlap_comm)
+  report      `hpcr1 report` of that run: its events must be NCCL's, their CUDA times ordered, and
+              on 2 GPUs or more SFT's reduction must overlap its backward
   verl        a few steps of verl.trainer.main_ppo with a vLLM rollout on a random ~0.4B Llama, under a
               Ray head on this node (needs `make setup-gpu`)
 About 10 minutes on one GPU. Without a GPU it checks what it can (imports, configs) and says so.
@@ -128,8 +130,12 @@ def check_sft_mfu(args) -> Outcome:
     return Outcome(True, f"{speed[0] if speed else ''}; {found[0].split(': ', 1)[1]}")
 
 
+# DeepSpeed's reduction on a stream of its own, so that the report can show SFT's overlap.
+OVERLAP_COMM = [f"{sid}.parallel.overlap_comm=true" for sid in ("stage1_sft", "stage3_sft")]
+
+
 def check_pipeline(args) -> Outcome:
-    argv = hpcr1("run", str(TINY), f"nproc={args.gpus}", "--run-dir", str(args.out / "run"))
+    argv = hpcr1("run", str(TINY), f"nproc={args.gpus}", "--run-dir", str(args.out / "run"), *OVERLAP_COMM)
     rc = run_logged("pipeline", argv, args, CHECKS_BY_NAME["pipeline"].timeout_s)
     if rc != 0:
         return failed("pipeline", rc, args)
@@ -155,7 +161,19 @@ def check_report(args) -> Outcome:
     problems = cuda_timing_problems(events)
     if problems:
         return Outcome(False, f"{len(problems)} events with CUDA times out of order, e.g. {problems[0]}")
-    return Outcome(True, f"NCCL events only, enqueue <= stream ready <= end on all {len(events)}; {report}")
+    overlap = sft_overlap(run_dir / "stage1_sft") if args.gpus > 1 else None
+    if overlap is not None and overlap <= 0:
+        return Outcome(False, "stage1_sft: DeepSpeed's overlap_comm reductions show no overlap with backward")
+    shown = "" if overlap is None else f", SFT overlap {overlap:.0%} on rank 0"
+    return Outcome(True, f"NCCL only, enqueue <= stream ready <= end on all {len(events)}{shown}; {report}")
+
+
+def sft_overlap(stage_dir: Path) -> float:
+    """Rank 0's overlap of communication with compute in an SFT stage (the report's figure)."""
+    from analysis.events import load_events
+    from analysis.overlap import overlap_fraction
+
+    return overlap_fraction([e for e in load_events(stage_dir) if e["rank"] == 0])
 
 
 def profile_events(profile_dir: Path) -> list[dict]:

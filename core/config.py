@@ -139,6 +139,11 @@ class ParallelConfig(Section):
     """Pipeline-parallel size (megatron-core)."""
     zero_stage: Literal[0, 1, 2, 3] = 1
     """DeepSpeed ZeRO stage over the data-parallel group."""
+    overlap_comm: bool = False
+    """DeepSpeed reduces gradient buckets during backward on a CUDA stream of its own
+    (zero_optimization.overlap_comm, ZeRO 1 and 2), so the reduction overlaps the backward, at the
+    cost of a second gradient bucket. On CPU there are no streams: the reduction only moves into
+    backward and still blocks."""
 
     @field_validator("zero_stage", mode="before")
     @classmethod

@@ -66,13 +66,13 @@ def warmup_cosine(stage: SFTStage):
 
 
 def deepspeed_config(stage: SFTStage, dp_size: int) -> dict:
-    micro_steps = stage.global_batch_size // (stage.micro_batch_size * dp_size)
+    micro_steps, p = stage.global_batch_size // (stage.micro_batch_size * dp_size), stage.parallel
     return {
         "train_batch_size": stage.global_batch_size,
         "train_micro_batch_size_per_gpu": stage.micro_batch_size,
         "gradient_accumulation_steps": micro_steps,
         "gradient_clipping": stage.grad_clip,
-        "zero_optimization": {"stage": stage.parallel.zero_stage},
+        "zero_optimization": {"stage": p.zero_stage, "overlap_comm": p.overlap_comm},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": stage.dtype == "bf16"},
         "steps_per_print": 1 << 30,

@@ -62,6 +62,14 @@ def test_zero0_and_zero1_losses_match(runs):
     assert max(abs(a - b) for a, b in zip(zero0[:10], zero1[:10])) < 1e-4
 
 
+def test_overlap_comm_reduces_in_backward_to_the_same_losses(runs):
+    """DeepSpeed's overlap_comm moves ZeRO-1's reduction into backward's hooks (on CPU still
+    blocking: no streams); the sums are the same, so are the losses."""
+    zero1 = losses(runs("dp2"))
+    overlapped = losses(runs("dp2-overlap", "stage1_sft.parallel.overlap_comm=true"))
+    assert max(abs(a - b) for a, b in zip(zero1[:10], overlapped[:10])) < 1e-5, (zero1[:10], overlapped[:10])
+
+
 def test_losses_fall_and_stage_is_recorded_done(runs):
     run = runs("dp2")
     trace = losses(run)
