@@ -47,10 +47,10 @@ MCORE_MIXED = Precision(weight=2, grad=4, optimizer=12, compute=2)
 SFT_PRECISION = {"fp32": FP32, "bf16": BF16_MIXED}
 
 # DeepSpeed ZeRO 1-2 as stages/engines/megatron_deepspeed.py deepspeed_config leaves it, at
-# deepspeed/runtime/zero/config.py's defaults: contiguous_gradients true, overlap_comm false (true
-# only for ZeRO-3), use_multi_rank_bucket_allreduce true, and reduce_bucket_size elements of one
-# gradient bucket, whatever the model's size. ZeRO-0 all-reduces in chunks of as many elements
-# (deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE).
+# deepspeed/runtime/zero/config.py's defaults: contiguous_gradients true, use_multi_rank_bucket_allreduce
+# true, and reduce_bucket_size elements of one gradient bucket, whatever the model's size; overlap_comm
+# as the stage's parallel.overlap_comm says (DeepSpeed's default: false). ZeRO-0 all-reduces in
+# chunks of as many elements (deepspeed/runtime/engine.py MEMORY_OPT_ALLREDUCE_SIZE).
 DEEPSPEED_BUCKET = 500_000_000
 B_TEXT = "5e8"
 # torch's AdamW steps with its foreach kernels on a GPU (torch/optim/adam.py _multi_tensor_adam),
@@ -64,7 +64,8 @@ ASSUMPTIONS = (
     "(unfused) attention. DeepSpeed runs as our deepspeed_config leaves it, at ZeRO's defaults "
     "(deepspeed/runtime/zero/config.py): gradients in the model's dtype (no grad_accum_dtype, so not "
     "DeepSpeed's bf16 optimizer with fp32 gradient accumulation), ZeRO 1-2 fill one bucket of 5e8 "
-    "gradient elements (1 GB in bf16) and all-reduce a flattened copy of it, no overlap_comm; its "
+    "gradient elements (1 GB in bf16; two with parallel.overlap_comm) and all-reduce a flattened "
+    "copy of it; its "
     "optimizer step is a phase of its own, holding besides the weights and states the stepped "
     "gradients, their flat fp32 copy and AdamW's sqrt(v): 10 bytes a stepped parameter in bf16 "
     "(P/tp/dp of them under ZeRO 1-2). Not counted: the CUDA context, NCCL's buffers and the "
@@ -299,7 +300,7 @@ def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Foo
     P, prec, t = m.params(), deepspeed_precision(s.dtype, layout.zero), layout.tp
     train = [
         *training_states(P, prec, layout),
-        reduce_buffers(P / t, prec.grad, layout.zero),
+        reduce_buffers(P / t, prec.grad, layout.zero, s.parallel.overlap_comm),
         activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
     ]
     step = deepspeed_step(P, prec, layout)
@@ -325,19 +326,23 @@ def deepspeed_precision(dtype: str, zero: int) -> Precision:
     return replace(prec, optimizer=12) if dtype == "fp32" and zero >= 1 else prec
 
 
-def reduce_buffers(grads: float, g: int, zero: int) -> Term:
+def reduce_buffers(grads: float, g: int, zero: int, overlap_comm: bool = False) -> Term:
     """What reducing `grads` gradient elements (P/tp) of g bytes holds besides the gradients. ZeRO 1-2
     allocate one bucket of DEEPSPEED_BUCKET elements at the first gradient of a backward
     (stage_1_and_2.py setup_buckets) and all-reduce a flattened copy of each full bucket
     (allreduce_bucket: self.flatten). ZeRO-1 moves every gradient into the bucket before its
     reduction, so that copy takes the room the moved gradients leave; ZeRO-2 keeps the partition's
     gradients apart (grads_in_partition, the gradients term), so it counts. ZeRO-0 all-reduces
-    flattened copies of up to DEEPSPEED_BUCKET gradients (engine.py buffered_allreduce_fallback)."""
-    bucket, chunk = DEEPSPEED_BUCKET * g, min(DEEPSPEED_BUCKET, grads) * g
+    flattened copies of up to DEEPSPEED_BUCKET gradients (engine.py buffered_allreduce_fallback).
+    With overlap_comm, ZeRO 1-2 fill a second bucket while the first is reduced (setup_buckets'
+    buf_1)."""
+    buckets = 2 if overlap_comm and zero >= 1 else 1
+    bucket, chunk = buckets * DEEPSPEED_BUCKET * g, min(DEEPSPEED_BUCKET, grads) * g
+    b = f"{buckets}·B" if buckets > 1 else "B"
     formula, held = {
         0: (f"min(B, P/tp)·{g} (the all-reduce's flattened copy)", chunk),
-        1: (f"B·{g} (the gradient bucket)", bucket),
-    }.get(zero, (f"B·{g} + min(B, P/tp)·{g} (the gradient bucket and its flattened copy)", bucket + chunk))
+        1: (f"{b}·{g} (the gradient bucket)", bucket),
+    }.get(zero, (f"{b}·{g} + min(B, P/tp)·{g} (the gradient bucket and its flattened copy)", bucket + chunk))
     return Term("reduce_buffers", f"{formula}  [B={B_TEXT}]", held)
 
 

@@ -18,6 +18,7 @@ from analysis.memory import (
     Site,
     activations,
     grpo_footprint,
+    reduce_buffers,
     sft_footprint,
     training_states,
 )
@@ -152,7 +153,15 @@ def test_the_deepspeed_the_model_assumes_is_the_one_our_engine_configures():
         assert defaults.reduce_bucket_size == B and defaults.contiguous_gradients
         assert not defaults.overlap_comm and defaults.use_multi_rank_bucket_allreduce
     config = deepspeed_config(SFTStage(dtype="bf16", micro_batch_size=1, global_batch_size=2), dp_size=2)
-    assert config["zero_optimization"] == {"stage": 1} and "data_types" not in config
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": False} and "data_types" not in config
+
+
+@pytest.mark.parametrize("zero, added", [(0, 0), (1, 2 * B), (2, 2 * B)])
+def test_overlap_comm_adds_deepspeeds_second_gradient_bucket_under_zero_1_and_2(zero, added):
+    """setup_buckets allocates buf_1 of B elements beside buf_0 when overlap_comm is on (bf16: 2 bytes)."""
+    grads = 3 * B  # more gradients than a bucket: the flattened copy is a whole bucket too
+    plain, overlapped = (reduce_buffers(grads, 2, zero, overlap).bytes for overlap in (False, True))
+    assert overlapped - plain == added
 
 
 def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():
