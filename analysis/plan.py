@@ -192,7 +192,10 @@ def searched(groups: Iterable[plan_search.Group], judged) -> Iterator[Option]:
 def choose(options: Iterable[Option]) -> Option:
     """The first option that fits without caveat (options come most preferred first); else the first
     that fits with one; else, of the options not refused (or all, if all are), the one needing the
-    least GPU memory: how far from fitting the leanest layout is."""
+    least GPU memory: how far from fitting the leanest layout is. Equal peaks are told apart by the
+    other phases, highest first: a peak the micro-batch does not change (an optimizer step) leaves
+    the leanest layout the one with the smallest micro-batch, as `searched` assumes when it keeps
+    only a group's floor where nothing fits."""
     tried = []
     for option in options:
         if option.verdict == FITS:
@@ -201,7 +204,13 @@ def choose(options: Iterable[Option]) -> Option:
     with_caveat = [o for o in tried if o.verdict == CAVEAT]
     if with_caveat:
         return with_caveat[0]
-    return min(tried, key=lambda o: (bool(o.footprint.refusals), o.footprint.gpu_bytes()))
+    return min(tried, key=leanness)
+
+
+def leanness(option: Option) -> tuple:
+    """Not refused first, then the bytes of each phase, highest first (the peak, then the next)."""
+    phases = sorted(option.footprint.phase_bytes().values(), reverse=True)
+    return bool(option.footprint.refusals), phases
 
 
 def engine_text(stage) -> str:

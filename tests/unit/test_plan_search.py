@@ -8,14 +8,16 @@ from functools import partial
 import pytest
 
 from analysis import plan_search
-from analysis.memory import Site
+from analysis.memory import Footprint, Layout, Site, Term
 from analysis.model_shape import shape_from_hf_config
 from analysis.plan import (
     CAVEAT,
     FITS,
+    GIB,
     NO_FIT,
     RUNTIME_PER_RANK,
     Machine,
+    Option,
     choose,
     evaluate,
     searched,
@@ -78,18 +80,27 @@ def test_written_overrides_make_a_valid_config_that_plans_back_to_the_planned_la
         assert same_plan(after["stages"][sid]["planned_at_nproc"]) == same_plan(stage["planned_at_nproc"])
 
 
+P_8B = 8_030_261_248
+USABLE_40G = 0.9 * 40 * GIB  # perlmutter's A100s, GPU_USABLE of them
+
+
 def test_a_stage_whose_plan_no_config_field_can_set_is_left_as_configured_and_named(capsys, tmp_path):
-    """On 4 GPUs the 8B SFT fits only with recomputation, which the SFT engine does not do."""
+    """On 4 GPUs the 8B SFT fits only with optimizer offload and recomputation, which the SFT engine
+    does not do; the 8B GRPO does not fit at all (the optimizer step's 20·P/4, whatever is
+    offloaded); synthesis fits, and only its settings are written."""
     written = tmp_path / "overrides.txt"
     argv = plan_argv(tmp_path, "8b", "--gpus", "4", "nproc=4", "--write-overrides", str(written))
     assert main(argv) == 0
     captured = capsys.readouterr()
     lines = written.read_text().splitlines()
-    assert not any(line.startswith("stage1_sft.") for line in lines)
-    assert "stage1_sft: its plan at nproc=4 needs recompute" in captured.err
+    assert not any(line.startswith(("stage1_sft.", "stage2_grpo.")) for line in lines)
+    assert "stage1_sft: its plan at nproc=4 needs optimizer offload and recompute, which" in captured.err
+    assert "stage2_grpo: does not fit at nproc=4; left as configured" in captured.err
     grpo = json.loads(captured.out)["stages"]["stage2_grpo"]["planned_at_nproc"]
-    assert grpo["verdict"] == CAVEAT and "optimizer offload" in grpo["caveats"]
-    assert "stage2_grpo.verl.optimizer_offload=true" in lines
+    assert grpo["verdict"] == NO_FIT
+    assert 20 * P_8B / 4 > USABLE_40G
+    assert grpo["phases"]["optimizer_step"] == pytest.approx(20 * P_8B / 4, rel=1e-12)
+    assert "stage3_synth.verl.rollout_tp=1" in lines
 
 
 def exhaustive(stage, shape, machine: Machine, site: Site, gpus: int):
@@ -122,6 +133,22 @@ def test_skipping_groups_whose_smallest_micro_batch_does_not_fit_changes_no_choi
         assert (fast.verdict, fast.settings, fast.layout) == (slow.verdict, slow.settings, slow.layout), n
 
 
+def test_where_nothing_fits_equal_peaks_go_to_the_layout_leaner_in_its_other_phases():
+    """An optimizer step can be the peak whatever the micro-batch (verl's 8B GRPO on 1 GPU): then the
+    smallest micro-batch is the leanest, the one `searched` keeps of a group where nothing fits,
+    though the larger comes first. A refused option is never chosen over one that is not."""
+
+    def option(micro: int, refused: bool = False) -> Option:
+        terms = [Term("states", "", 10.0), Term("step", "", 10.0), Term("activations", "", 4.0 * micro)]
+        phases = {"training": ("states", "activations"), "optimizer_step": ("states", "step")}
+        fp = Footprint(terms, [], phases, ("refused",) * refused)
+        return Option(Layout(1, 1, 3), fp, NO_FIT, settings={"micro": micro})
+
+    assert option(2).footprint.gpu_bytes() == option(1).footprint.gpu_bytes() == 20.0
+    assert choose([option(2), option(1)]).settings == {"micro": 1}
+    assert choose([option(1, refused=True), option(2)]).settings == {"micro": 2}
+
+
 def test_json_gives_per_count_verdict_caveats_and_layout_and_both_minimums(capsys, tmp_path):
     plan = planned(capsys, plan_argv(tmp_path, "8b", "--gpus", "1,2,4,8,16"))
     for sid, stage in plan["stages"].items():
@@ -134,15 +161,14 @@ def test_json_gives_per_count_verdict_caveats_and_layout_and_both_minimums(capsy
         any_fit = [int(n) for n in counts if stage["verdicts"][n] != NO_FIT]
         assert stage["min_gpus"] == min(fit, default=None), sid
         assert stage["min_gpus_with_caveat"] == min(any_fit, default=None), sid
-    # the 8B GRPO: no fit on 1-2 GPUs, only with offload on 4, without caveat from 8
-    assert plan["stages"]["stage2_grpo"]["verdicts"] == {
-        "1": NO_FIT,
-        "2": NO_FIT,
-        "4": CAVEAT,
-        "8": FITS,
-        "16": FITS,
-    }
-    assert plan["stages"]["stage2_grpo"]["caveats"]["4"][0] == "optimizer offload"
+    # the 8B GRPO: no fit on 1-4 GPUs, where the optimizer step's 20·P/N alone is above usable
+    # memory (offload moves the states back for it), without caveat from 8
+    grpo = plan["stages"]["stage2_grpo"]
+    assert grpo["verdicts"] == {"1": NO_FIT, "2": NO_FIT, "4": NO_FIT, "8": FITS, "16": FITS}
+    for option in grpo["options"]:
+        step = 20 * P_8B / option["gpus"]
+        assert option["phases"]["optimizer_step"] == pytest.approx(step, rel=1e-12)
+        assert (step > USABLE_40G) == (option["verdict"] == NO_FIT), option["gpus"]
 
 
 def test_what_our_commands_refuse_is_refused_once_and_never_planned(capsys, tmp_path):

@@ -17,6 +17,7 @@ from analysis.plan import (
     CAVEAT,
     FITS,
     GPU_USABLE,
+    HEADROOM,
     HOST_USABLE,
     NO_FIT,
     RUNTIME_PER_RANK,
@@ -80,7 +81,11 @@ def activations(b: int, s: int, c: int, scores: bool, recompute: bool) -> float:
 
 
 # SFT: bf16 (2-byte weights and gradients, 12 bytes of fp32 master and Adam a parameter), TP 1,
-# ZeRO-1 over dp = 4; its native final eval (2·P and one short sequence's KV) is far smaller.
+# ZeRO-1 over dp = 4, and DeepSpeed's gradient bucket of 5e8 bf16 elements, whatever the model's
+# size (ZeRO-1: the flattened copy takes the room of the gradients moved into it). Its optimizer
+# step (weights, master and Adam, the partition's bf16 gradients, their fp32 copy and AdamW's
+# sqrt(v): 2 + 4 + 4 bytes a stepped parameter, P/4 of them) and its native final eval (2·P and one
+# short sequence's KV) are far smaller.
 SFT = SFTStage(
     dtype="bf16",
     micro_batch_size=2,
@@ -89,7 +94,9 @@ SFT = SFTStage(
     parallel=ParallelConfig(tp=1, zero_stage=1),
 )
 SFT_EVAL = EvalConfig(batch_size=1, max_new_tokens=8)
-SFT_PEAK = 2 * P + 2 * P + 12 * P / GPUS + activations(2, 64, 2, scores=True, recompute=False)
+BUCKET = 5e8 * 2
+SFT_PEAK = 2 * P + 2 * P + 12 * P / GPUS + BUCKET + activations(2, 64, 2, scores=True, recompute=False)
+SFT_STEP = 2 * P + 12 * P / GPUS + (2 + 4 + 4) * P / GPUS
 
 
 @pytest.mark.parametrize("share, verdict, caveats", TIERS)
@@ -97,46 +104,73 @@ def test_sft_tiers(share, verdict, caveats):
     option = judged(SFT, gpu_for(SFT_PEAK, share), eval_cfg=SFT_EVAL)
     assert option.footprint.peak_phase() == "training"
     assert option.footprint.gpu_bytes() == pytest.approx(SFT_PEAK, rel=1e-12)
+    assert option.footprint.phase_bytes()["optimizer_step"] == pytest.approx(SFT_STEP, rel=1e-12)
     assert verdict_of(option) == (verdict, caveats)
+
+
+# Offload pays only where the states outweigh the 5e8-element gradient bucket that ZeRO 1-2 (which
+# DeepSpeed's offload needs) allocate whatever the model's size: the tiny model's ZeRO-0 is leaner
+# than any offload. So this test takes two layers of a wider Llama, P = 553.7M.
+BL, BH, BA, B_KV_HEADS, BD, BF, BV = 2, 4096, 32, 8, 128, 8192, 32768
+BKV = B_KV_HEADS * BD
+B_LAYER = 2 * BH * BA * BD + 2 * BH * BKV + 3 * BH * BF + 2 * BH
+BP = BL * B_LAYER + 2 * BV * BH + BH
+BIG = LlamaShape(BL, BH, BA, B_KV_HEADS, BD, BF, BV, False, 1e4, None, file_bytes=2)
 
 
 def test_sft_fits_only_with_offload_where_no_layout_without_it_fits():
     """SFT's config cannot ask for offload: the search finds it and names it a caveat. On 2 GPUs
-    with a global batch of 2, the leanest layout without offload is TP 2 (dp 1) with recomputation,
-    one sequence: P (weights) + P (gradients) + 6·P (optimizer, 12·P/tp) + each layer's input, one
-    layer's activations at TP 2 and half the logits. The first with offload is TP 1, ZeRO-1 over
-    dp 2: 2·P + 2·P and no optimizer on the GPU, one sequence's activations."""
+    with a global batch of 2, every layout without offload has an optimizer step of at least 12·P:
+    at TP 2 (dp 1) the weights P, master and Adam 6·P, the stepped bf16 gradients with their fp32
+    copy 3·P and AdamW's sqrt(v) 2·P; at TP 1 more (13·P under ZeRO-1 over dp 2, 24·P under
+    ZeRO-0). The first with offload is TP 1, ZeRO-1 over dp 2: 2·P + 2·P, the 5e8 bf16 bucket, one
+    sequence's activations and no optimizer on the GPU, in training and in its (host) step."""
     stage = SFT.model_copy(update={"global_batch_size": 2, "micro_batch_size": 1})
     s, c = 64, 2
-    tp2_layer = s * c * (4 * H + (2 * H + 2 * KV + 4 * F + 2 * A * s) / 2)
-    leanest = 8 * P + L * s * c * H + tp2_layer + s * V * (c + 8) / 2
-    offloaded = 4 * P + activations(1, s, c, scores=True, recompute=False)
+    assert BIG.params() == BP == 553_668_608
+    leanest = 12 * BP
+    layer = s * c * (6 * BH + 2 * BKV + 4 * BF + 2 * BA * s)
+    offloaded = 4 * BP + BUCKET + BL * layer + s * BV * (c + 8)
     assert offloaded < leanest
     usable = (offloaded + leanest) / 2
+    assert offloaded / usable < HEADROOM
     cfg = RunConfig(name="hand", nproc=2, eval=SFT_EVAL, stage1_sft=stage)
     machine = Machine("hand", "GPU", usable / GPU_USABLE, PER_NODE, ROOMY_HOST)
-    option = plan_stage("stage1_sft", stage, cfg, SHAPE, machine, [2], PROMPT).options[0]
+    option = plan_stage("stage1_sft", stage, cfg, BIG, machine, [2], PROMPT).options[0]
     assert option.layout.offload and (option.layout.tp, option.layout.zero) == (1, 1)
+    assert option.footprint.peak_phase() == "training"
     assert option.footprint.gpu_bytes() == pytest.approx(offloaded, rel=1e-12)
-    share = offloaded / usable
-    assert verdict_of(option) == (
-        CAVEAT,
-        ("optimizer offload (no SFT option yet)", f"{math.ceil(100 * share)}% of usable GPU memory"),
-    )
-    # a little more memory and the leanest layout without offload fits: recomputation, a caveat too
+    assert verdict_of(option) == (CAVEAT, ("optimizer offload (no SFT option yet)",))
+    # a little more memory and the leanest layout without offload fits: TP 2, ZeRO-0, whose step is
+    # its peak whatever its activations, so without recomputation and with 2 sequences (9·P and
+    # theirs in training); a caveat only for the headroom
     roomier = Machine("hand", "GPU", 1.01 * leanest / GPU_USABLE, PER_NODE, ROOMY_HOST)
-    option = plan_stage("stage1_sft", stage, cfg, SHAPE, roomier, [2], PROMPT).options[0]
-    assert not option.layout.offload and option.layout.recompute
-    assert option.caveats[0] == "recompute (no SFT option yet)"
+    option = plan_stage("stage1_sft", stage, cfg, BIG, roomier, [2], PROMPT).options[0]
+    layout = option.layout
+    assert not layout.offload and not layout.recompute
+    assert (layout.tp, layout.zero, option.settings["micro_batch_size"]) == (2, 0, 2)
+    assert option.footprint.peak_phase() == "optimizer_step"
+    assert option.footprint.gpu_bytes() == pytest.approx(leanest, rel=1e-12)
+    assert verdict_of(option) == (CAVEAT, (f"{math.ceil(100 / 1.01)}% of usable GPU memory",))
 
 
 # GRPO on verl's FSDP backend: fp32 actor 4 + 4 + 8 bytes a parameter over N, the gathered root unit
-# (embeddings and one layer in bf16), verl's gradient checkpointing for 16 sequences of 128 tokens.
-# With gmu 0.1 the rollout's share stays below the update's peak.
+# (embeddings and one layer in bf16), verl's gradient checkpointing for 16 sequences of 128 tokens
+# (64 of them the response's) in bf16: each layer's input, and the larger of one layer recomputed
+# and the logits with the responses' log-softmax. Its optimizer step (the states and AdamW's
+# sqrt(v), 20·P/N) is smaller; with gmu 0.1 the rollout's share stays below the update's peak.
 GATHERED = (2 * V * H + LAYER) * 2
 VERL = VerlConfig(rollout_tp=1, gpu_memory_utilization=0.1, micro_batch_size_per_gpu=16, max_prompt_length=64)
 VERL_GRPO = GRPOStage(engine="verl", verl=VERL, max_new_tokens=64, prompts_per_step=16, group_size=2)
-VERL_PEAK = 16 * P / GPUS + GATHERED + activations(16, 128, 2, scores=False, recompute=True)
+
+
+def verl_activations(b: int, s: int, r: int) -> float:
+    c = 2
+    return L * b * s * c * H + max(b * s * c * (6 * H + 2 * KV + 4 * F), b * (s + r) * V * c)
+
+
+VERL_PEAK = 16 * P / GPUS + GATHERED + verl_activations(16, 128, 64)
+VERL_STEP = 20 * P / GPUS
 
 
 def with_verl(stage: GRPOStage, **settings) -> GRPOStage:
@@ -148,6 +182,7 @@ def test_grpo_on_verl_fsdp_tiers(share, verdict, caveats):
     option = judged(VERL_GRPO, gpu_for(VERL_PEAK, share))
     assert option.footprint.peak_phase() == "training" and not option.footprint.refusals
     assert option.footprint.gpu_bytes() == pytest.approx(VERL_PEAK, rel=1e-12)
+    assert option.footprint.phase_bytes()["optimizer_step"] == pytest.approx(VERL_STEP, rel=1e-12)
     assert verdict_of(option) == (verdict, caveats)
 
 
@@ -160,9 +195,11 @@ def test_grpo_on_verl_fsdp_tiers(share, verdict, caveats):
     ],
 )
 def test_grpo_on_verl_fsdp_with_offload_configured_fits_with_that_caveat(settings, caveat):
-    """The update loads the offloaded states back: the same peak, half of usable, and the caveat."""
+    """The update loads the offloaded states back: the same peak, half of usable, and the caveat;
+    its optimizer step too."""
     option = judged(with_verl(VERL_GRPO, **settings), gpu_for(VERL_PEAK, 0.5))
     assert option.footprint.gpu_bytes() == pytest.approx(VERL_PEAK, rel=1e-12)
+    assert option.footprint.phase_bytes()["optimizer_step"] == pytest.approx(VERL_STEP, rel=1e-12)
     assert verdict_of(option) == (CAVEAT, (caveat,))
 
 
