@@ -12,6 +12,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from core.config import ConfigError, Section
 
+# Seconds a rank waits in one collective (any process group) before it raises (runtime.dist): the stage
+# job exports the profile's collective_timeout_s in it. Unset: torch's defaults (30 min gloo, 10 NCCL).
+COLLECTIVE_TIMEOUT_ENV = "HPCR1_COLLECTIVE_TIMEOUT_S"
+
 PROFILES = Path(__file__).resolve().parents[1] / "slurm" / "profiles"
 # Values that go into #SBATCH lines: sbatch parses those lines itself, so they must be plain tokens.
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9_.:,@%=+/-]*$")
@@ -107,6 +111,10 @@ class ClusterProfile(Section):
     """Seconds before the limit at which the stage is told to checkpoint and requeue (--signal=B:USR1@s)."""
     requeue: bool = True
     """Let preempted or time-limited jobs be requeued (--requeue)."""
+    collective_timeout_s: int = Field(default=600, ge=1)
+    """Seconds a rank waits in one collective before it fails the stage (gloo and NCCL, every process
+    group): what bounds a stage whose peer's node vanished or was cut off, the ranks blocked on it
+    otherwise waiting torch's default (30 min for gloo). Longer than any step's slowest rank waits."""
     extra_directives: list[str] = []
     """More #SBATCH options, e.g. '--exclusive' (plain tokens only)."""
     env: dict[str, str] = {}

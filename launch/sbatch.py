@@ -13,7 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.cluster import ClusterProfile
+from core.cluster import COLLECTIVE_TIMEOUT_ENV, ClusterProfile
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
 VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
@@ -42,11 +42,18 @@ def directives(profile: ClusterProfile, nodes: int) -> list[str]:
             lines.append(f"--{flag}={value}")
     if profile.requeue:
         lines.append("--requeue")
+    if nodes > 1:
+        # A node lost keeps the job: its srun step ends (Slurm's node failure) while the batch shell,
+        # the stage driver, lives on to record the failure and name the node, instead of the whole job
+        # being killed (and, with --requeue, silently put back in the queue) with the manifest left
+        # saying "running".
+        lines.append("--no-kill")
     return lines + profile.extra_directives
 
 
 def env_exports(profile: ClusterProfile) -> list[str]:
-    exports = []
+    # The ranks' bound on one collective (runtime.dist.init_distributed); the profile's env may override it.
+    exports = [f"export {COLLECTIVE_TIMEOUT_ENV}={profile.collective_timeout_s}"]
     for name, value in profile.env.items():
         if not _ENV_NAME.match(name):
             raise ValueError(f"cluster profile env: {name!r} is not a valid variable name")

@@ -5,14 +5,16 @@ rank with its own timeout."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from core.atomic import atomic_write_text
 from core.rundir import RunDir
 from launch.local import repo_env, run_forwarding_usr1
-from runtime.rank_failure import TORCHRUN_FAILURES
+from runtime.rank_failure import LOST_NODES, TORCHRUN_FAILURES
 
 
 def first_host(nodelist: str) -> str:
@@ -61,9 +63,33 @@ def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, .
     env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
     env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
     # srun passes USR1 on to every task: a rank, or launch.torchrun, which passes it to its ranks.
-    return run_forwarding_usr1(
-        srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun")), env, pass_fds
+    command = srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun"))
+    rc = run_forwarding_usr1(command, env, pass_fds)
+    if rc != 0:
+        # A rank on a lost node writes nothing: Slurm's view of the job's nodes names it for the error.
+        lost = lost_nodes(env["SLURM_JOB_NODELIST"])
+        if lost:
+            atomic_write_text(RunDir(run_dir).logs(stage_id) / LOST_NODES, json.dumps(lost) + "\n")
+    return rc
+
+
+# Node states (sinfo %T, without flags) of a node the job can no longer use; a "*" suffix on any
+# state means the node does not answer the controller.
+LOST_STATES = ("down", "drained", "draining", "drain", "fail", "failing", "future", "unknown")
+
+
+def lost_nodes(nodelist: str) -> dict[str, str]:
+    """{node: Slurm's state} for the allocation's nodes that are down or not responding; {} when
+    sinfo cannot tell (the failure is then the ranks' own to report)."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"], capture_output=True, text=True, check=False
     )
+    rows = (line.split("|") for line in out.stdout.splitlines() if line.count("|") == 1)
+    return {
+        node: state
+        for node, state in rows
+        if state.endswith("*") or state.rstrip("*").split("+")[0].lower() in LOST_STATES
+    }
 
 
 def requeue_self() -> None:

@@ -17,9 +17,12 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from core.cluster import COLLECTIVE_TIMEOUT_ENV
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,33 @@ def init_distributed(backend: str | None = None, mpi_calls=None) -> RankInfo:
     info = rendezvous(mpi_calls)
     if accelerator_type() is not None:
         torch.accelerator.set_device_index(device_index(info.local_rank, torch.accelerator.device_count()))
-    dist.init_process_group(backend or default_backend(), rank=info.rank, world_size=info.world_size)
+    timeout = bound_collectives()
+    dist.init_process_group(
+        backend or default_backend(), rank=info.rank, world_size=info.world_size, timeout=timeout
+    )
     return info
+
+
+def collective_timeout(env: dict[str, str] | None = None) -> timedelta | None:
+    """COLLECTIVE_TIMEOUT_ENV's bound on one collective; None where it is unset (torch's defaults).
+    Libraries that pass their own timeout to new_group (megatron: 30 min) must be given this one."""
+    value = (os.environ if env is None else env).get(COLLECTIVE_TIMEOUT_ENV)
+    return timedelta(seconds=float(value)) if value else None
+
+
+def bound_collectives(env: dict[str, str] | None = None) -> timedelta | None:
+    """The collective timeout COLLECTIVE_TIMEOUT_ENV asks for, made the default of every process group
+    created from now on: the groups DeepSpeed and megatron make with new_group() take torch's module
+    defaults, not the world group's timeout. Without it a rank whose peer's node vanished (or lost its
+    link) waits in its collective for torch's default, 30 minutes on gloo, holding the stage."""
+    timeout = collective_timeout(env)
+    if timeout is None:
+        return None
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+    return timeout
 
 
 def rendezvous(mpi_calls=None) -> RankInfo:

@@ -26,6 +26,9 @@ from core.atomic import atomic_write_text
 # Test seam: "rank=1,step=3" makes rank 1 raise InjectedFailure as step 3 begins (StageContext.begin_step).
 FAIL_AT_ENV = "HPCR1_FAIL_AT"
 TORCHRUN_FAILURES = "torchrun-failures.json"
+# {node: Slurm state} of the stage job's nodes found down or not responding when its srun step failed
+# (launch.slurm_launch): a rank on a vanished node records nothing of its own.
+LOST_NODES = "lost-nodes.json"
 
 
 class InjectedFailure(RuntimeError):
@@ -59,7 +62,11 @@ def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
 
 def forget_failures(log_dir: Path) -> None:
     """Before an attempt: what an earlier attempt's ranks left must not be read as this one's."""
-    for path in [*log_dir.glob("rank-*.error.json"), *log_dir.glob(f"*{TORCHRUN_FAILURES}")]:
+    for path in [
+        *log_dir.glob("rank-*.error.json"),
+        *log_dir.glob(f"*{TORCHRUN_FAILURES}"),
+        *log_dir.glob(LOST_NODES),
+    ]:
         path.unlink()
 
 
@@ -99,6 +106,16 @@ def how_it_ended(rank: int, exits: dict[int, dict], records: dict[int, dict]) ->
 def stage_error(log_dir: Path, exit_code: int) -> dict:
     """The manifest's `error` for a stage whose ranks failed: the first failed rank, how (exception
     or signal), its log, and how every other failed rank ended."""
+    error = _rank_error(log_dir, exit_code)
+    lost_path = log_dir / LOST_NODES
+    if lost_path.is_file():
+        lost = json.loads(lost_path.read_text())
+        nodes = ", ".join(f"{node} ({state})" for node, state in lost.items())
+        error.update(summary=f"node(s) lost: {nodes}; {error['summary']}", lost_nodes=lost)
+    return error
+
+
+def _rank_error(log_dir: Path, exit_code: int) -> dict:
     exits, records = read_failures(log_dir)
     rank = first_failed_rank(exits, records)
     if rank is None:

@@ -47,6 +47,9 @@ SlurmdPort=6918
 AuthType=auth/munge
 # A requeued job may start again cred_expire + 1 s after it ends: 121 s by default.
 AuthInfo=cred_expire=30
+# A node that stops answering (slurmd killed, link cut) is DOWN after this, not 300 s: its job step
+# then ends (the job survives: --no-kill) and the stage driver records the failure.
+SlurmdTimeout=20
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres

@@ -20,6 +20,16 @@ stop_pidfile() {
   rm -f "$1"
 }
 
+# Jobs still queued or running would be recovered by the next start as running, holding the nodes
+# until slurmctld finds their batch shell gone (about 2 min), then requeued beside the next jobs.
+if [ -s "$dir/run/slurmctld.pid" ] && kill -0 "$(cat "$dir/run/slurmctld.pid")" 2>/dev/null; then
+  export SLURM_CONF=$dir/etc/slurm.conf
+  mapfile -t jobs < <(squeue -h -o %i 2>/dev/null)
+  if ((${#jobs[@]})); then
+    scancel "${jobs[@]}" 2>/dev/null
+    for _ in $(seq 50); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.1; done
+  fi
+fi
 for pidfile in "$dir"/run/slurmd-*.pid; do [ -e "$pidfile" ] && stop_pidfile "$pidfile"; done
 stop_pidfile "$dir/run/slurmctld.pid"
 # A job's processes (ranks, stepds) outlive their slurmd; all in these namespaces are the cluster's.

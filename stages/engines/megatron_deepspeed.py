@@ -22,7 +22,7 @@ from megatron.core import parallel_state, tensor_parallel
 from transformers import AutoConfig
 
 from core.config import SFTStage
-from runtime.dist import rank_device
+from runtime.dist import collective_timeout, rank_device
 from runtime.phases import phase
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
@@ -85,8 +85,12 @@ class MegatronDeepSpeedEngine:
         apply_cpu_shim()
         self.device = rank_device()
         p = stage.parallel  # pp == 1 and zero_stage < 3: checked by the config
+        # megatron gives its groups a timeout of its own (30 min): the stage's bound, where it has one.
+        timeout = collective_timeout()
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=p.tp, pipeline_model_parallel_size=p.pp
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            **({} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.hf_config = AutoConfig.from_pretrained(hf_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 from tests.conftest import REPO, hpcr1_env
 
@@ -27,3 +28,36 @@ def start_multinode(nodes: int = 2) -> tuple[dict[str, str], float]:
 
 def stop_multinode() -> None:
     subprocess.run(["bash", str(SCRIPTS / "stop-multinode.sh")], capture_output=True, timeout=120, check=True)
+
+
+# The faults a node of the cluster can suffer (tests/slurm/test_multinode_faults.py), and its return.
+MN_DIR = Path("/var/tmp/hpcr1-slurm-multinode")
+
+
+def workers_on(node: int) -> list[int]:
+    """The pids of the stage ranks (launch.worker) running on node `node` (its network namespace)."""
+    out = subprocess.run(["ip", "netns", "pids", f"hpcr1-mnode{node}"], capture_output=True, text=True)
+    pids = []
+    for pid in out.stdout.split():
+        try:
+            if b"launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+        except OSError:  # it ended meanwhile
+            pass
+    return pids
+
+
+def cut_link(node: int) -> None:
+    """The node's cable pulled: its veth's host side down (its processes live on, unreachable)."""
+    subprocess.run(["ip", "link", "set", f"hpcr1v{node}", "down"], check=True)
+
+
+def kill_slurmd(node: int) -> None:
+    subprocess.run(["kill", (MN_DIR / "run" / f"slurmd-mnode{node}.pid").read_text().strip()], check=True)
+
+
+def bring_back(node: int, nodes: int = 2) -> None:
+    """The node's link up again and its slurmd running (start-multinode.sh restarts what is missing
+    and resumes the nodes Slurm set down)."""
+    subprocess.run(["ip", "link", "set", f"hpcr1v{node}", "up"], check=True)
+    start_multinode(nodes)
