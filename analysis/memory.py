@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from analysis.model_shape import LlamaShape
 from analysis.native_fit import grpo_residency, synth_residency
+from core.cluster import rollout_span_problem
 from core.config import EvalConfig, GRPOStage, SFTStage, SynthStage, VerlRolloutConfig
 
 GB = 1e9
@@ -374,7 +375,9 @@ def final_eval(m: LlamaShape, site: Site, weight_bytes: int, gpus: int) -> tuple
     rank and decodes eval.batch_size sequences; verl starts a vLLM server on the same GPUs."""
     e, P = site.eval, m.params()
     if e.engine == "verl":
-        budget, weights, min_kv, refusals = rollout_terms(m, e.verl, site.gpu_bytes, gpus, e.max_new_tokens)
+        budget, weights, min_kv, refusals = rollout_terms(m, e.verl, site.gpu_bytes, e.max_new_tokens)
+        span = rollout_span_problem(e.verl.rollout_tp, gpus, site.gpus_per_node)
+        refusals += (f"eval.verl.rollout_tp {span} (hpcr1 submit refuses it)",) if span else ()
         return [replace(budget, name="eval_rollout_budget")], refusals
     kv = kv_cache(m, e.batch_size, "eval.batch_size", site.prompt_tokens + e.max_new_tokens, weight_bytes)
     whole = Term("eval_weights", f"P·{weight_bytes} (whole model in the stage's dtype)", P * weight_bytes)
@@ -382,7 +385,7 @@ def final_eval(m: LlamaShape, site: Site, weight_bytes: int, gpus: int) -> tuple
 
 
 def rollout_terms(
-    m: LlamaShape, v: VerlRolloutConfig, gpu_bytes: float, gpus: int, new_tokens: int
+    m: LlamaShape, v: VerlRolloutConfig, gpu_bytes: float, new_tokens: int
 ) -> tuple[Term, Term, Term, tuple[str, ...]]:
     """One vLLM instance's share of a GPU (gmu·M), the weights and the least KV cache vLLM starts
     with inside it, and why vLLM would refuse the layout."""
@@ -390,12 +393,14 @@ def rollout_terms(
     max_len = v.max_model_len(new_tokens)  # what verl is told (stages/engines/verl_trainer.py)
     budget = Term("rollout_budget", f"gmu·M  [gmu={gmu:g}]", gmu * gpu_bytes)
     weights = Term("rollout_weights", "P·2/tp", P * BF16 / t)
+    # past the KV heads, vLLM replicates them: a GPU holds at least one head's keys and values
+    kv_split = min(t, m.kv_heads)
+    per_gpu = "1/tp" if kv_split == t else f"1/{kv_split} (one KV head a GPU)"
     min_kv = replace(
-        kv_cache(m, 1 / t, "1/tp (one max_model_len sequence)", max_len, BF16), name="rollout_min_kv"
+        kv_cache(m, 1 / kv_split, f"{per_gpu} (one max_model_len sequence)", max_len, BF16),
+        name="rollout_min_kv",
     )
-    refusals = []
-    if gpus % t:
-        refusals.append(f"rollout_tp {t} does not divide {gpus} GPUs")
+    refusals = []  # how the instances tile the GPUs is plan_search.refusals' (hpcr1 submit's)
     if m.max_positions and max_len > m.max_positions:
         refusals.append(f"max_model_len {max_len} exceeds the model's {m.max_positions} positions")
     if weights.bytes >= budget.bytes:
@@ -441,7 +446,7 @@ def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Sit
 def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
     """verl's hybrid engine, FSDP backend: the phases a step goes through (ASSUMPTIONS)."""
     P, N, v = m.params(), layout.gpus, g.verl
-    budget, rollout_weights, min_kv, refusals = rollout_terms(m, v, site.gpu_bytes, N, g.max_new_tokens)
+    budget, rollout_weights, min_kv, refusals = rollout_terms(m, v, site.gpu_bytes, g.max_new_tokens)
     gathered = fsdp_gathered_weights(m, g, N)
     gpu = [
         Term("actor_weights", "P·4/N", 4 * P / N),
@@ -503,9 +508,7 @@ def verl_phases(
 def megatron_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
     """verl's hybrid engine, megatron backend: the same phases as FSDP's (ASSUMPTIONS)."""
     v = g.verl
-    budget, rollout_weights, min_kv, refusals = rollout_terms(
-        m, v, site.gpu_bytes, layout.gpus, g.max_new_tokens
-    )
+    budget, rollout_weights, min_kv, refusals = rollout_terms(m, v, site.gpu_bytes, g.max_new_tokens)
     weights, grads, optimizer = (
         replace(t, name=f"actor_{t.name}")
         for t in training_states(m.params(), MCORE_MIXED, replace(layout, offload=False))
@@ -600,9 +603,7 @@ def fsdp_gathered_weights(m: LlamaShape, g: GRPOStage, N: int) -> Term:
 def synth_footprint(m: LlamaShape, st: SynthStage, layout: Layout, site: Site) -> Footprint:
     P, ranks = m.params(), node_ranks(layout, site.gpus_per_node)
     if st.engine == "verl":  # replicas of rollout_tp GPUs, each GPU giving vLLM gmu·M
-        budget, weights, min_kv, refusals = rollout_terms(
-            m, st.verl, site.gpu_bytes, layout.gpus, st.max_new_tokens
-        )
+        budget, weights, min_kv, refusals = rollout_terms(m, st.verl, site.gpu_bytes, st.max_new_tokens)
         host = host_terms(m, "P/tp", P / st.verl.rollout_tp, ranks, site)
         return Footprint([budget, weights, min_kv], host, {"generation": ("rollout_budget",)}, refusals)
     held = synth_residency("", P)

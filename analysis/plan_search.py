@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from analysis.memory import Layout
 from analysis.model_shape import LlamaShape
+from core.cluster import rollout_span_problem
 from core.config import GRPOStage, SFTStage, SynthStage
 
 # The documents each rule comes from, by the tag the rules cite.
@@ -47,9 +48,9 @@ class Rule:
 
 
 ROLLOUT_TP_RULE = Rule(
-    "smaller rollout TP, within a node",
-    "more vLLM replicas, and data parallelism yields more throughput than TP; `hpcr1 submit` refuses "
-    "a rollout_tp that does not divide a node's GPUs",
+    "smaller rollout TP, within a node before whole nodes",
+    "more vLLM replicas, and data parallelism yields more throughput than TP; TP across nodes "
+    "all-reduces every layer's activations over the network",
     ("verl-tuning: Rollout Generation Tuning",),
 )
 GMU_RULE = Rule(
@@ -311,10 +312,10 @@ def refusals(stage, layout: Layout, gpus_per_node: int) -> tuple[str, ...]:
         return (f"global_batch_size {gbs} is not a multiple of micro_batch_size·dp ({micro}·{dp})",) * bad
     if stage.engine == "native":
         return native_batch_refusals(stage, layout.gpus) if isinstance(stage, GRPOStage) else ()
-    tp = stage.verl.rollout_tp
-    node = (f"rollout_tp {tp} does not divide the {gpus_per_node} GPUs of a node (hpcr1 submit refuses it)",)
+    problem = rollout_span_problem(stage.verl.rollout_tp, layout.gpus, gpus_per_node)
+    span = (f"rollout_tp {problem} (hpcr1 submit refuses it)",) if problem else ()
     split = verl_batch_refusals(stage, layout) if isinstance(stage, GRPOStage) else ()
-    return node * bool(gpus_per_node % tp) + split
+    return span + split
 
 
 def verl_batch_refusals(g: GRPOStage, layout: Layout) -> tuple[str, ...]:
@@ -345,8 +346,11 @@ def tp_sizes(gpus: int, gpus_per_node: int, split: tuple[int, ...]) -> list[int]
 
 
 def rollout_tps(shape: LlamaShape, gpus: int, gpus_per_node: int) -> list[int]:
-    """vLLM splits the attention heads; a replica stays within a node (ROLLOUT_TP_RULE)."""
-    return tp_sizes(gpus, gpus_per_node, (shape.heads,))
+    """vLLM splits the attention heads; a replica spans part of a node or, where one node cannot
+    hold it, whole nodes (core.cluster.rollout_span_problem), smaller first (ROLLOUT_TP_RULE)."""
+    across = [n * gpus_per_node for n in range(2, gpus // gpus_per_node + 1)]
+    spans = [t for t in across if not rollout_span_problem(t, gpus, gpus_per_node) and shape.heads % t == 0]
+    return tp_sizes(gpus, gpus_per_node, (shape.heads,)) + spans
 
 
 def memory_shares(configured_share: float) -> list[float]:

@@ -166,3 +166,15 @@ def load_profile(name_or_path: str, overrides: dict | None = None) -> ClusterPro
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{path.name}:" + ".".join(str(p) for p in err["loc"]), err["msg"]) from None
+
+
+def rollout_span_problem(rollout_tp: int, gpus: int, gpus_per_node: int) -> str | None:
+    """Why a rollout engine of `rollout_tp` GPUs cannot be laid over `gpus` GPUs of nodes of
+    `gpus_per_node`, or None: an instance spans part of a node or whole nodes (verl's
+    RolloutReplica needs its world size a multiple of a node's GPUs once it leaves one node), and
+    the instances fill the GPUs."""
+    if gpus_per_node % rollout_tp and rollout_tp % gpus_per_node:
+        return f"{rollout_tp} neither divides the {gpus_per_node} GPUs of a node nor spans whole nodes"
+    if gpus % rollout_tp:
+        return f"{rollout_tp} does not divide the {gpus} GPUs"
+    return None

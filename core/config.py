@@ -103,7 +103,8 @@ class VerlRolloutConfig(Section):
     rollout: Literal["vllm", "sglang"] = "vllm"
     """Inference engine that generates."""
     rollout_tp: PositiveInt = 4
-    """GPUs one rollout engine instance spans (tensor parallel); divides the GPUs of a node."""
+    """GPUs one rollout engine instance spans (tensor parallel): a divisor of a node's GPUs, or a
+    multiple of them for a model one node cannot hold (the instance spans whole nodes)."""
     gpu_memory_utilization: Probability = 0.6
     """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
     max_prompt_length: PositiveInt = 512

@@ -107,7 +107,7 @@ def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
     overrides = generation_overrides(  # the model is an earlier stage's, not there yet: any path composes
         Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
     )
-    check_generation(field, rollout, sampling, overrides, gpus_per_node)
+    check_generation(field, rollout, sampling, overrides, (nnodes, gpus_per_node))
 
 
 # verl 0.9.1's megatron engine builds its models with Megatron-Bridge, on Transformer Engine layers
@@ -188,7 +188,7 @@ def _generate_on_verl(
     overrides = generation_overrides(
         model_dir.resolve(), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, *nodes
     )
-    check_generation(field, rollout, sampling, overrides, nodes[1])
+    check_generation(field, rollout, sampling, overrides, nodes)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     check_prompt_lengths(examples, tokenizer, rollout.max_prompt_length, f"{field}.verl.max_prompt_length")
     write_parquet(paths["prompts"], verl_rows(examples, "generation", DATA_SOURCE))

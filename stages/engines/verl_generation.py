@@ -69,11 +69,16 @@ def generation_overrides(
 
 
 def check_generation(
-    field: str, rollout: VerlRolloutConfig, sampling: Sampling, overrides: list[str], gpus_per_node: int
+    field: str,
+    rollout: VerlRolloutConfig,
+    sampling: Sampling,
+    overrides: list[str],
+    nodes: tuple[int, int],
 ) -> None:
     """What main_generation_server would refuse once its Ray cluster is up, said before submission;
-    `field` is the config section whose `verl` settings these are (e.g. stage3_synth)."""
-    check_rollout_gpus(field, rollout.rollout_tp, gpus_per_node)
+    `field` is the config section whose `verl` settings these are (e.g. stage3_synth); `nodes` the
+    job's (nodes, GPUs a node)."""
+    check_rollout_gpus(field, rollout.rollout_tp, *nodes)
     from verl.utils.config import omega_conf_to_dataclass
 
     try:

@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from core.cluster import rollout_span_problem
 from core.config import ConfigError, GRPOStage, RunConfig, SynthStage, engine_of
 from core.rundir import RunDir
 
@@ -216,24 +217,24 @@ _FIELD_OF = (
 )
 
 
-def check_rollout_gpus(section: str, rollout_tp: int, gpus_per_node: int) -> None:
-    """verl's rollout engines need GPUs, and one instance spans `rollout_tp` GPUs of a node;
-    `section` is the config section whose `verl` settings these are."""
+def check_rollout_gpus(section: str, rollout_tp: int, nnodes: int, gpus_per_node: int) -> None:
+    """verl's rollout engines need GPUs. One instance spans `rollout_tp` GPUs: part of a node, or
+    whole nodes (verl's RolloutReplica: its world size a multiple of the GPUs of a node), and the
+    instances fill the job's GPUs. `section` is the config section whose `verl` settings these are."""
     if gpus_per_node < 1:
         raise ConfigError(
             "--cluster",
             f"{section} runs on verl, which needs GPUs: the cluster profile has gpus_per_node 0",
         )
-    if gpus_per_node % rollout_tp:
-        raise ConfigError(
-            f"{section}.verl.rollout_tp", f"{rollout_tp} does not divide the {gpus_per_node} GPUs of a node"
-        )
+    problem = rollout_span_problem(rollout_tp, nnodes * gpus_per_node, gpus_per_node)
+    if problem:
+        raise ConfigError(f"{section}.verl.rollout_tp", f"{problem} of the job ({nnodes} nodes)")
 
 
 def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
     """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
     s: GRPOStage = getattr(cfg, sid)
-    check_rollout_gpus(sid, s.verl.rollout_tp, gpus_per_node)
+    check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
     overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
     try:
         validate_verl_config(compose_verl_config(overrides))

@@ -169,6 +169,23 @@ def test_shipped_synthesis_on_verl_fits_where_the_native_sampler_does_not(
     assert at_edge["at_nproc"]["caveats"] == ["95% of usable GPU memory"]
 
 
+def test_70b_synthesis_on_40gb_nodes_fits_without_caveat_once_a_vllm_instance_spans_two_nodes(
+    capsys, tmp_path
+):
+    """bf16 70B weights over one 4-GPU node are 35.3 GB a GPU: 91% of the 38.65 GB usable, all of
+    gmu 0.9's share. Over two nodes (tensor parallel 8, a whole-node span verl's RolloutReplica
+    takes) they are half that, and vLLM fits with room for its KV cache."""
+    plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter", "llama-3.3-70b", "--gpus", "4,8")
+    four, eight = options = plan["stages"]["stage3_synth"]["options"]
+    assert four["settings"]["verl.rollout_tp"] == 4 and four["verdict"] == CAVEAT
+    assert eight["settings"]["verl.rollout_tp"] == 8 and eight["verdict"] == FITS
+    weights = [next(t["bytes"] for t in o["gpu_terms"] if t["name"] == "rollout_weights") for o in options]
+    assert weights[0] == pytest.approx(2 * weights[1]) and weights[0] / 1e9 == pytest.approx(35.28, abs=0.01)
+    rejected = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter", "llama-3.3-70b", "--gpus", "12")
+    twelve = rejected["stages"]["stage3_synth"]["options"][0]
+    assert twelve["settings"]["verl.rollout_tp"] != 8  # 8 GPUs do not tile 12
+
+
 def test_8b_config_with_synthesis_on_verl_fits_its_40gb_nodes_at_its_nproc(capsys, tmp_path):
     plan = shipped_plan(capsys, tmp_path, CONFIG_8B, "perlmutter", "llama-3.1-8b")
     stages = plan["stages"]

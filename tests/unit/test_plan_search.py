@@ -172,17 +172,18 @@ def test_json_gives_per_count_verdict_caveats_and_layout_and_both_minimums(capsy
 
 
 def test_what_our_commands_refuse_is_refused_once_and_never_planned(capsys, tmp_path):
-    """A rollout_tp across nodes (hpcr1 submit's check), a batch that does not split (submit's and
-    the config's), each named once; the 8B GRPO's 128 responses a mini-batch cannot feed 256 GPUs."""
+    """A rollout_tp that neither fits in a node nor spans whole nodes (hpcr1 submit's check), a
+    batch that does not split (submit's and the config's), each named once; the 8B GRPO's 128
+    responses a mini-batch cannot feed 256 GPUs."""
     sft = load_config(CONFIG_8B, [f"model.path={MODELS / 'llama-3.1-8b'}"], data_files=False).stage1_sft
     layout = plan_search.engine_layout(sft, 256)
     assert plan_search.refusals(sft, layout, 4) == (
         "global_batch_size 64 is not a multiple of micro_batch_size·dp (1·128)",
     )
-    plan = planned(capsys, plan_argv(tmp_path, "8b", "--gpus", "16,256", "stage2_grpo.verl.rollout_tp=8"))
+    plan = planned(capsys, plan_argv(tmp_path, "8b", "--gpus", "16,256", "stage2_grpo.verl.rollout_tp=6"))
     grpo = plan["stages"]["stage2_grpo"]
     assert grpo["at_nproc"]["refusals"] == [
-        "rollout_tp 8 does not divide the 4 GPUs of a node (hpcr1 submit refuses it)"
+        "rollout_tp 6 neither divides the 4 GPUs of a node nor spans whole nodes (hpcr1 submit refuses it)"
     ]
     assert grpo["verdicts"] == {"16": FITS, "256": NO_FIT}
     assert grpo["options"][0]["settings"]["verl.rollout_tp"] <= 4

@@ -91,18 +91,27 @@ def test_each_stage_of_the_70b_config_runs_where_its_engine_is():
 
 
 @pytest.mark.parametrize(
-    "override, field",
+    "override, nodes, field",
     [
-        ("stage3_synth.verl.rollout_tp=3", "stage3_synth.verl.rollout_tp"),
-        ("eval.verl.rollout_tp=8", "eval.verl.rollout_tp"),
+        ("stage3_synth.verl.rollout_tp=3", 32, "stage3_synth.verl.rollout_tp"),
+        ("eval.verl.rollout_tp=6", 32, "eval.verl.rollout_tp"),
+        ("eval.verl.rollout_tp=8", 3, "eval.verl.rollout_tp"),  # whole nodes, but 2 of 3
     ],
 )
-def test_a_rollout_that_does_not_fit_a_node_is_refused_naming_the_field(tmp_path, override, field):
+def test_a_rollout_that_does_not_tile_the_nodes_is_refused_naming_the_field(tmp_path, override, nodes, field):
     cfg = config_70b(override)
     sid = "stage3_synth" if override.startswith("stage3_synth") else "stage1_sft"
     with pytest.raises(ConfigError) as e:
-        check_verl_job(cfg, RunDir(tmp_path), sid, 32, 4)
+        check_verl_job(cfg, RunDir(tmp_path), sid, nodes, 4)
     assert e.value.field == field
+
+
+def test_a_rollout_spanning_whole_nodes_is_accepted(tmp_path):
+    """verl's RolloutReplica takes a tensor-parallel size that is a multiple of a node's GPUs: two
+    4-GPU nodes hold a 70B vLLM instance that one 40 GB node cannot."""
+    for sid in ("stage3_synth", "stage1_sft"):
+        section = "eval" if sid == "stage1_sft" else sid
+        check_verl_job(config_70b(f"{section}.verl.rollout_tp=8"), RunDir(tmp_path), sid, 32, 4)
 
 
 def test_a_cluster_without_gpus_is_refused_for_verl_generation(tmp_path):
