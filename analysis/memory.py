@@ -86,11 +86,16 @@ ASSUMPTIONS = (
     "by verl whatever param_offload says (transformer_impl.py: CPUOffload for forward_only; "
     "trainer/config/ref/dp_ref.yaml), fp32 shards in host memory. Gradient checkpointing is verl's "
     "default (model.enable_gradient_checkpointing true; our overrides leave it), so an update keeps "
-    "each layer's input for micro_batch_size_per_gpu sequences of max_prompt_length + max_new_tokens "
-    "tokens (sdpa attention: no scores), and besides them either one layer recomputed or the bf16 "
-    "logits of the whole sequences (our overrides turn remove-padding off) with the log-softmax of "
-    "the responses' rows that verl saves for the backward (no flash-attn: utils/torch_functional.py "
-    "logprobs_from_logits_v2), whichever is larger. The vLLM rollout takes gpu_memory_utilization x "
+    "each layer's input for its largest micro-batch: micro_batch_size_per_gpu sequences of "
+    "max_prompt_length + max_new_tokens tokens, or with max_tokens_per_gpu verl's balanced split of a "
+    "GPU's share of a mini-batch (use_dynamic_bsz: at worst one micro-batch of the whole budget, padded "
+    "to its longest sequence unless packed), sdpa or flash-attn (no scores); and besides them either "
+    "one layer recomputed or the logits, whichever is larger: unpacked, the padded bf16 logits, a copy "
+    "of the real tokens' rows and their log-softmax saved for the backward "
+    "(workers/engine/fsdp/transformer_impl.py prepare_model_outputs, utils/torch_functional.py "
+    "logprobs_from_logits_v2); packed (remove_padding, which needs flash-attn), the logits alone, "
+    "flash-attn's cross-entropy writing their gradient in place. "
+    "The vLLM rollout takes gpu_memory_utilization x "
     "GPU memory while it generates and sleeps at level 2 (weights and KV freed, free_cache_engine and "
     "enable_sleep_mode true, workers/rollout/vllm_rollout/vllm_async_server.py) while the actor trains; "
     "its weights come back first for the weight sync (workers/engine_workers.py update_weights), when "
@@ -455,9 +460,7 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
         Term("actor_step_temporary", "P·4/N (AdamW's sqrt(v), in the optimizer step)", 4 * P / N),
         gathered,
         replace(gathered, name="reference_gathered"),
-        verl_activations(
-            m, v.micro_batch_size_per_gpu, v.max_prompt_length + g.max_new_tokens, g.max_new_tokens
-        ),
+        verl_activations(m, verl_micro_batch(g, N), v.remove_padding),
         budget,
         rollout_weights,
         min_kv,
@@ -474,18 +477,52 @@ def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site)
     return Footprint(gpu, verl_host(m, layout, site), phases, refusals)
 
 
-def verl_activations(m: LlamaShape, b: int, s: int, r: int) -> Term:
-    """An update's activations in verl's FSDP actor as our verl_trainer runs it (gradient
-    checkpointing, sdpa, remove-padding off, no flash-attn), bf16: each layer's input, kept to be
-    recomputed (L·b·s·c·h); and at once either one layer recomputed in the backward, or, at the turn
-    from forward to backward, the logits of the whole sequences (b·s·V·c, then their gradient) with
-    the log-softmax of the r response tokens' rows, saved for the backward (b·r·V·c:
-    utils/torch_functional.py logprobs_from_logits_v2 takes it row by row in bf16, no fp32 copy)."""
-    c = BF16
-    layer = b * s * c * (6 * m.hidden + 2 * m.kv_width + 4 * m.ffn)
-    logits = b * (s + r) * m.vocab * c
-    formula = f"L·b·s·c·h + max(b·s·c·(6h + 2kv + 4f), b·(s + r)·V·c)  [b={b}, s={s}, r={r}, c={c}]"
-    return Term("activations", formula, m.layers * b * s * c * m.hidden + max(layer, logits))
+@dataclass(frozen=True)
+class MicroBatch:
+    """The largest micro-batch of one GPU in verl's update, in tokens."""
+
+    padded: float
+    """Positions the model runs: b·s padded, or the packed tokens."""
+    tokens: float
+    """Prompt and response tokens in it: rows of the logits verl takes log-probabilities of."""
+    formula: str
+
+
+def verl_micro_batch(g: GRPOStage, gpus: int) -> MicroBatch:
+    """A GPU's share of a mini-batch is n = prompts/mini_batches·G/N sequences of at most s tokens.
+    Counted by sequences, a micro-batch holds b of them. With a token budget T (use_dynamic_bsz),
+    verl splits the share into the fewest balanced micro-batches within T (seqlen_balancing.py
+    rearrange_micro_batches): at worst one of min(T, n·s) tokens; packed that is all it runs,
+    padded to its longest sequence it can be one of s tokens and T - s one-token ones."""
+    v = g.verl
+    s = v.max_prompt_length + g.max_new_tokens
+    share = g.prompts_per_step / g.mini_batches * g.group_size / gpus
+    if v.max_tokens_per_gpu is None:
+        b = min(v.micro_batch_size_per_gpu, math.ceil(share))
+        return MicroBatch(b * s, b * s, f"b·s  [b={b}, s={s}]")
+    T = v.max_tokens_per_gpu
+    tokens = min(T, share * s)
+    if v.remove_padding:
+        return MicroBatch(tokens, tokens, f"t = min(T, n·s)  [T={T}, n={share:g}, s={s}]")
+    b = min(math.ceil(share), T - s + 1)
+    text = f"b·s, b = min(n, T - s + 1), t = min(T, n·s)  [T={T}, n={share:g}, s={s}]"
+    return MicroBatch(b * s, tokens, text)
+
+
+def verl_activations(m: LlamaShape, mb: MicroBatch, packed: bool) -> Term:
+    """An update's activations in verl's FSDP actor (gradient checkpointing, bf16) for its largest
+    micro-batch (p positions run, t tokens): each layer's input, kept to be recomputed (L·p·c·h);
+    and at once either one layer recomputed in the backward, or the logits at the turn from forward
+    to backward. Unpacked (sdpa, no flash-attn), workers/engine/fsdp/transformer_impl.py
+    prepare_model_outputs cuts the padded logits (p·V) into a copy of the t sequences' rows and
+    utils/torch_functional.py logprobs_from_logits_v2 saves each row's bf16 log-softmax: (p + 2t)·V·c.
+    Packed, flash-attn's cross-entropy writes the gradient into the logits: t·V·c."""
+    c, p, t = BF16, mb.padded, mb.tokens
+    layer = p * c * (6 * m.hidden + 2 * m.kv_width + 4 * m.ffn)
+    logits = (t if packed else p + 2 * t) * m.vocab * c
+    what = "t·V·c" if packed else "(p + 2t)·V·c"
+    formula = f"L·p·c·h + max(p·c·(6h + 2kv + 4f), {what}), p = {mb.formula}  [c={c}]"
+    return Term("activations", formula, m.layers * p * c * m.hidden + max(layer, logits))
 
 
 def verl_phases(
@@ -519,7 +556,7 @@ def megatron_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: S
         replace(grads, formula=f"{grads.formula} (fp32 main gradients)"),
         optimizer,
         replace(weights, name="reference_weights"),
-        pipelined_activations(m, v.micro_batch_size_per_gpu, s, layout.tp),
+        pipelined_activations(m, verl_micro_batch(g, max(layout.dp, 1)).padded / s, s, layout.tp),
         budget,
         rollout_weights,
         min_kv,
@@ -540,7 +577,7 @@ def megatron_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: S
     return Footprint(gpu, host, phases, refusals + megatron_refusals(m, layout))
 
 
-def pipelined_activations(m: LlamaShape, b: int, s: int, tp: int) -> Term:
+def pipelined_activations(m: LlamaShape, b: float, s: int, tp: int) -> Term:
     """verl's megatron actor saves every layer's activations (no recomputation), all split over TP
     by sequence parallelism; under 1F1B the first pipeline stage has at most pp micro-batches of its
     L/pp layers in flight, L layers' worth, the last stage the logits: both counted."""

@@ -225,10 +225,10 @@ def engine_text(stage) -> str:
         return text
     offload = [name for name, on in (("param", v.param_offload), ("optimizer", v.optimizer_offload)) if on]
     backend = v.backend + (f" tp{v.megatron_tp} pp{v.megatron_pp}" if v.backend == "megatron" else "")
-    return (
-        f"verl {backend}, {text[5:]}, micro-batch {v.micro_batch_size_per_gpu}, "
-        f"offload: {'+'.join(offload) or 'none'}"
-    )
+    micro = f"micro-batch {v.micro_batch_size_per_gpu}"
+    if v.max_tokens_per_gpu is not None:
+        micro = f"micro-batches of {v.max_tokens_per_gpu} tokens" + (", packed" if v.remove_padding else "")
+    return f"verl {backend}, {text[5:]}, {micro}, offload: {'+'.join(offload) or 'none'}"
 
 
 def kind_of(stage) -> str:

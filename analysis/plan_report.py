@@ -40,7 +40,8 @@ def layout_text(kind: str, o: Option) -> str:
     if kind == "grpo" and "data_parallel" in s:  # the native engine
         reshard = ", no reshard" * (s.get("reshard_after_forward") is False)
         return f"native {s['data_parallel']} x{layout.gpus}{reshard}, micro{s['micro_batch_size']}"
-    micro = f" micro{s.get('verl.micro_batch_size_per_gpu')}"
+    tokens = s.get("verl.max_tokens_per_gpu")
+    micro = f" micro{s.get('verl.micro_batch_size_per_gpu')}" if tokens is None else f" tokens{tokens}"
     if kind == "grpo" and layout.megatron:
         return f"megatron tp{layout.tp} pp{layout.pp} dp{layout.dp}{extras}, {rollout}{micro}"
     if kind == "grpo":

@@ -192,16 +192,28 @@ def verl_grpo_groups(g: GRPOStage, shape: LlamaShape, gpus: int, gpus_per_node: 
     for param, optimizer in VERL_OFFLOADS:
         for actor in actor_parallel(g, shape, gpus, gpus_per_node):
             dp = gpus // (actor.get("verl.megatron_tp", 1) * actor.get("verl.megatron_pp", 1))
-            micros = divisors_down(g.prompts_per_step // g.mini_batches * g.group_size, dp)
+            key, micros = micro_batches(g, dp)
             for rollout_tp in rollout_tps(shape, gpus, gpus_per_node):
                 outer = {"verl.param_offload": param, "verl.optimizer_offload": optimizer, **actor}
                 outer["verl.rollout_tp"] = rollout_tp
 
                 def make(micro: int, gmu: float, outer=outer) -> Candidate:
-                    inner = {"verl.micro_batch_size_per_gpu": micro, "verl.gpu_memory_utilization": gmu}
-                    return Candidate({**outer, **inner})
+                    return Candidate({**outer, key: micro, "verl.gpu_memory_utilization": gmu})
 
-                yield by_micro(micros or [g.verl.micro_batch_size_per_gpu], shares, make)
+                yield by_micro(micros, shares, make)
+
+
+def micro_batches(g: GRPOStage, dp: int) -> tuple[str, list[int]]:
+    """The setting that sizes verl's micro-batches and its values, largest first: sequences that
+    divide a GPU's share of a mini-batch, or, with a token budget, as many full-length sequences'
+    tokens (and the configured budget, where the share is larger)."""
+    micros = divisors_down(g.prompts_per_step // g.mini_batches * g.group_size, dp)
+    budget = g.verl.max_tokens_per_gpu
+    if budget is None:
+        return "verl.micro_batch_size_per_gpu", micros or [g.verl.micro_batch_size_per_gpu]
+    s = g.verl.max_prompt_length + g.max_new_tokens
+    budgets = {min(budget, micros[0] * s)} if micros else {budget}
+    return "verl.max_tokens_per_gpu", sorted(budgets | {m * s for m in micros}, reverse=True)
 
 
 def actor_parallel(g: GRPOStage, shape: LlamaShape, gpus: int, gpus_per_node: int) -> list[dict]:
@@ -245,13 +257,12 @@ def setting_keys(stage) -> list[str]:
     if key == "grpo verl":
         actor = ["verl.megatron_tp", "verl.megatron_pp"] * (stage.verl.backend == "megatron")
         offload = ["verl.param_offload", "verl.optimizer_offload"]
-        return [
-            *offload,
-            *actor,
-            "verl.rollout_tp",
-            "verl.micro_batch_size_per_gpu",
-            "verl.gpu_memory_utilization",
-        ]
+        micro = (
+            "verl.micro_batch_size_per_gpu"
+            if stage.verl.max_tokens_per_gpu is None
+            else "verl.max_tokens_per_gpu"
+        )
+        return [*offload, *actor, "verl.rollout_tp", micro, "verl.gpu_memory_utilization"]
     if key == "grpo native":
         reshard = ["reshard_after_forward"] * (stage.data_parallel == "fsdp2")
         return ["data_parallel", *reshard, "micro_batch_size"]

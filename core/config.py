@@ -208,7 +208,19 @@ class VerlConfig(VerlRolloutConfig):
     optimizer_offload: bool = False
     """FSDP: keep the actor's optimizer states in host memory between updates."""
     micro_batch_size_per_gpu: PositiveInt = 1
-    """Sequences per forward/backward on one GPU, for the update and for log-probs."""
+    """Sequences per forward/backward on one GPU, for the update and for log-probs (unless
+    max_tokens_per_gpu is set)."""
+    max_tokens_per_gpu: PositiveInt | None = None
+    """Micro-batches by token budget instead (verl's use_dynamic_bsz, ppo_max_token_len_per_gpu and
+    the log-prob passes' budgets): each GPU's share of a mini-batch is split into the fewest
+    micro-batches of at most this many prompt and response tokens, balanced. At least
+    max_prompt_length + the stage's max_new_tokens. Without remove_padding each micro-batch is
+    still padded to its longest sequence."""
+    remove_padding: bool = False
+    """Pack a micro-batch's sequences into one row (verl's use_remove_padding) with flash-attn's
+    variable-length attention and its in-place cross-entropy: no padding, and the logits' gradient
+    takes no room of its own. Needs flash-attn importable on the nodes; requirements-gpu.lock has
+    none (PyPI has no wheel), so `hpcr1 submit` refuses this setting where it does not import."""
     profile_steps: list[PositiveInt] = [2]
     """Steps recorded by the torch profiler (when profile.comm is on); their traces become
     <stage>/profile/ events."""
@@ -621,10 +633,21 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
         )
 
 
+def _check_token_budget(sid: str, s: GRPOStage) -> None:
+    """verl's rearrange_micro_batches asserts that the longest sequence fits one micro-batch."""
+    budget, longest = s.verl.max_tokens_per_gpu, s.verl.max_prompt_length + s.max_new_tokens
+    if budget is not None and budget < longest:
+        raise ConfigError(
+            f"{sid}.verl.max_tokens_per_gpu",
+            f"{budget} tokens cannot hold one sequence of max_prompt_length + max_new_tokens ({longest})",
+        )
+
+
 def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
     if s.engine == "verl":
+        _check_token_budget(sid, s)
         return  # verl splits batches over GPUs its own way: checked against verl's rules at submission
     if s.prompts_per_step % cfg.nproc:
         raise ConfigError(

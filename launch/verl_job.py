@@ -117,6 +117,12 @@ MEGATRON_BACKEND_PACKAGES = {"megatron.bridge": "Megatron-Bridge", "transformer_
 def check_backend_installed(stage: GRPOStage, sid: str) -> None:
     """The jobs run with this Python: a backend whose packages it lacks would die at import, after
     the stages before it have run for hours."""
+    if stage.verl.remove_padding and not _installed("flash_attn"):
+        raise ConfigError(
+            f"{sid}.verl.remove_padding",
+            f"packing needs flash-attn in {sys.executable}, which runs the jobs; requirements-gpu.lock "
+            "has none (PyPI has no wheel): build it for this torch, or set it false",
+        )
     if stage.verl.backend != "megatron":
         return
     missing = [name for module, name in MEGATRON_BACKEND_PACKAGES.items() if not _installed(module)]

@@ -56,6 +56,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "actor_rollout_ref.model.path": model,
         "actor_rollout_ref.actor.ppo_mini_batch_size": s.prompts_per_step // s.mini_batches,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": v.micro_batch_size_per_gpu,
+        **token_budget_overrides(v),
         "actor_rollout_ref.actor.ppo_epochs": s.ppo_epochs,
         # old_log_probs 'rollout': verl's bypass mode reads the rollout's log-probs, which it must then return
         "algorithm.rollout_correction.bypass_mode": s.old_log_probs == "rollout",
@@ -111,10 +112,13 @@ def backend_overrides(s: GRPOStage) -> dict:
     v = s.verl
     if v.backend == "fsdp":
         return {
-            # verl loads HF models with flash_attention_2 unless told otherwise, and packs sequences
-            # for it (use_remove_padding); requirements-gpu.lock has no flash-attn (no wheel on PyPI).
-            "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
-            "actor_rollout_ref.model.use_remove_padding": False,
+            # verl loads HF models with flash_attention_2 unless told otherwise and packs sequences
+            # for it (use_remove_padding); requirements-gpu.lock has no flash-attn (no wheel on PyPI),
+            # so sdpa unless the user has installed it and asked for packing.
+            "+actor_rollout_ref.model.override_config.attn_implementation": (
+                "flash_attention_2" if v.remove_padding else "sdpa"
+            ),
+            "actor_rollout_ref.model.use_remove_padding": v.remove_padding,
             "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
             "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
             "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
@@ -131,6 +135,17 @@ def backend_overrides(s: GRPOStage) -> dict:
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": v.megatron_pp,
         "actor_rollout_ref.actor.megatron.param_offload": v.param_offload,
         "actor_rollout_ref.actor.megatron.optimizer_offload": v.optimizer_offload,
+    }
+
+
+def token_budget_overrides(v) -> dict:
+    """verl's dynamic micro-batches; the reference's and rollout's log-prob passes take the actor's
+    use_dynamic_bsz and budget (oc.select in verl's ref and rollout configs)."""
+    if v.max_tokens_per_gpu is None:
+        return {}
+    return {
+        "actor_rollout_ref.actor.use_dynamic_bsz": True,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": v.max_tokens_per_gpu,
     }
 
 

@@ -175,8 +175,9 @@ def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():
 
 
 def test_verl_fsdp_activations_keep_layer_inputs_and_the_larger_of_a_layer_and_the_logits():
-    """Each layer's input in bf16; the whole sequences' bf16 logits and the response rows'
-    log-softmax (s + r rows a sequence) outweigh one recomputed layer for this vocabulary."""
+    """Each layer's input in bf16; the padded bf16 logits, the copy of the sequences' rows verl
+    takes log-probabilities of and their log-softmax (3·s rows a full-length sequence) outweigh one
+    recomputed layer for this vocabulary."""
     b, prompt, r = 4, 256, 256
     s = prompt + r
     verl = VerlConfig(max_prompt_length=prompt, micro_batch_size_per_gpu=b)
@@ -184,6 +185,29 @@ def test_verl_fsdp_activations_keep_layer_inputs_and_the_larger_of_a_layer_and_t
     found = {t.name: t.bytes for t in fp.gpu}["activations"]
     layer_inputs = 8 * b * s * 2 * 512
     one_layer = b * s * 2 * (6 * 512 + 2 * 256 + 4 * 1408)
-    logits = b * (s + r) * 32000 * 2
+    logits = 3 * b * s * 32000 * 2
     assert logits > one_layer
     assert found == layer_inputs + logits
+
+
+def test_an_unpacked_token_budget_is_planned_at_its_worst_padding():
+    """Without packing, a micro-batch of at most T tokens is padded to its longest sequence: at worst
+    one of s tokens beside T - s one-token ones, b = T - s + 1 rows of s (capped by the GPU's share
+    of a mini-batch); the logits' rows verl takes log-probabilities of are the T real tokens."""
+    prompt, r, T = 256, 256, 1024
+    s = prompt + r
+    verl = VerlConfig(max_prompt_length=prompt, max_tokens_per_gpu=T)
+    stage = GRPOStage(engine="verl", max_new_tokens=r, prompts_per_step=512, group_size=8, verl=verl)
+    fp = grpo_footprint(SHAPE, stage, Layout(8, 1, 3), SITE)
+    b = T - s + 1  # 513 rows; the share is 512 / 2 x 8 / 8 = 256 sequences
+    b = min(b, 256)
+    padded = b * s
+    expected = 8 * padded * 2 * 512 + max(
+        padded * 2 * (6 * 512 + 2 * 256 + 4 * 1408), (padded + 2 * T) * 32000 * 2
+    )
+    assert {t.name: t.bytes for t in fp.gpu}["activations"] == expected
+    packed = stage.model_copy(update={"verl": verl.model_copy(update={"remove_padding": True})})
+    fp = grpo_footprint(SHAPE, packed, Layout(8, 1, 3), SITE)
+    assert {t.name: t.bytes for t in fp.gpu}["activations"] == 8 * T * 2 * 512 + max(
+        T * 2 * (6 * 512 + 2 * 256 + 4 * 1408), T * 32000 * 2
+    )

@@ -156,20 +156,21 @@ def test_sft_fits_only_with_offload_where_no_layout_without_it_fits():
 
 # GRPO on verl's FSDP backend: fp32 actor 4 + 4 + 8 bytes a parameter over N, the gathered root unit
 # (embeddings and one layer in bf16), verl's gradient checkpointing for 16 sequences of 128 tokens
-# (64 of them the response's) in bf16: each layer's input, and the larger of one layer recomputed
-# and the logits with the responses' log-softmax. Its optimizer step (the states and AdamW's
-# sqrt(v), 20·P/N) is smaller; with gmu 0.1 the rollout's share stays below the update's peak.
+# (a GPU's share of a mini-batch: 64 prompts / 2 x 2 / 4 GPUs) in bf16: each layer's input, and the
+# larger of one layer recomputed and the logits with their rows' copy and log-softmax (3 x b·s·V).
+# Its optimizer step (the states and AdamW's sqrt(v), 20·P/N) is smaller; with gmu 0.1 the
+# rollout's share stays below the update's peak.
 GATHERED = (2 * V * H + LAYER) * 2
 VERL = VerlConfig(rollout_tp=1, gpu_memory_utilization=0.1, micro_batch_size_per_gpu=16, max_prompt_length=64)
-VERL_GRPO = GRPOStage(engine="verl", verl=VERL, max_new_tokens=64, prompts_per_step=16, group_size=2)
+VERL_GRPO = GRPOStage(engine="verl", verl=VERL, max_new_tokens=64, prompts_per_step=64, group_size=2)
 
 
-def verl_activations(b: int, s: int, r: int) -> float:
+def verl_activations(b: int, s: int) -> float:
     c = 2
-    return L * b * s * c * H + max(b * s * c * (6 * H + 2 * KV + 4 * F), b * (s + r) * V * c)
+    return L * b * s * c * H + max(b * s * c * (6 * H + 2 * KV + 4 * F), 3 * b * s * V * c)
 
 
-VERL_PEAK = 16 * P / GPUS + GATHERED + verl_activations(16, 128, 64)
+VERL_PEAK = 16 * P / GPUS + GATHERED + verl_activations(16, 128)
 VERL_STEP = 20 * P / GPUS
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
+from launch.verl_job import check_verl_job
 from pipeline.cli import main
 from runtime.trace_parser import parse_trace
 from stages.engines.verl_io import VERL_PHASES, held_out_result, traces_to_events
@@ -119,6 +120,37 @@ def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path)
     actor, ref = composed.actor_rollout_ref.actor, composed.actor_rollout_ref.ref
     assert actor.strategy == "megatron" and actor.megatron.tensor_model_parallel_size == 4
     assert ref.megatron.tensor_model_parallel_size == 4  # the reference follows the actor
+
+
+def test_a_token_budget_is_verls_dynamic_batch_size_for_the_update_and_both_log_prob_passes(tmp_path):
+    cfg = config_70b("stage2_grpo.verl.backend=fsdp", "stage2_grpo.verl.max_tokens_per_gpu=24000")
+    composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
+    arr = composed.actor_rollout_ref
+    assert arr.actor.use_dynamic_bsz and arr.actor.ppo_max_token_len_per_gpu == 24000
+    assert arr.ref.log_prob_use_dynamic_bsz and arr.ref.log_prob_max_token_len_per_gpu == 24000
+    assert arr.rollout.log_prob_use_dynamic_bsz and arr.rollout.log_prob_max_token_len_per_gpu == 24000
+    assert not arr.model.use_remove_padding and arr.model.override_config.attn_implementation == "sdpa"
+
+
+def test_a_token_budget_shorter_than_one_sequence_names_the_field():
+    """verl asserts max_token_len >= the longest sequence (rearrange_micro_batches) mid-step."""
+    with pytest.raises(ConfigError) as e:  # the 70B config: 512 prompt + 384 response tokens
+        config_70b("stage2_grpo.verl.max_tokens_per_gpu=895")
+    assert e.value.field == "stage2_grpo.verl.max_tokens_per_gpu" and "896" in str(e.value)
+    assert config_70b("stage2_grpo.verl.max_tokens_per_gpu=896").stage2_grpo.verl.max_tokens_per_gpu == 896
+
+
+def test_packing_without_flash_attn_is_refused_at_submission_naming_the_field(tmp_path):
+    """This venv has no flash-attn (nor has requirements-gpu.lock): verl would die at model load."""
+    cfg = config_70b("stage2_grpo.verl.backend=fsdp", "stage2_grpo.verl.remove_padding=true")
+    overrides = check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    arr = compose_verl_config(overrides).actor_rollout_ref
+    assert (
+        arr.model.use_remove_padding and arr.model.override_config.attn_implementation == "flash_attention_2"
+    )
+    with pytest.raises(ConfigError) as e:
+        check_verl_job(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.verl.remove_padding" and "flash-attn" in str(e.value)
 
 
 def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_path, capsys):
