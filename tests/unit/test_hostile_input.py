@@ -98,16 +98,23 @@ def schema_fields(model: type[Section] = RunConfig, prefix: str = ""):
             yield from schema_fields(section, f"{prefix}{name}.")
 
 
+def _alternatives(annotation) -> list:
+    """The types an annotation admits: a union's members (`X | None`, and `Optional[...]`, which an
+    Annotated member such as PositiveInt makes of it), each stripped of its Annotated metadata."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = typing.get_args(annotation) if union else (annotation,)
+    return [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a for a in args]
+
+
 def _section_of(annotation):
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    return next((a for a in args if isinstance(a, type) and issubclass(a, Section)), None)
+    sections = (a for a in _alternatives(annotation) if isinstance(a, type) and issubclass(a, Section))
+    return next(sections, None)
 
 
 def _kind(annotation) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return "literal"
-    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
-    return next(a.__name__ for a in args if a is not type(None))
+    return next(a.__name__ for a in _alternatives(annotation) if a is not type(None))
 
 
 WRONG_KIND = {
