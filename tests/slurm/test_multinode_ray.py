@@ -19,14 +19,21 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 pytest.importorskip("ray")
 
 PROBE = """
-import os, socket, subprocess, sys
+import os, socket, subprocess, sys, time
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 address = os.environ["RAY_ADDRESS"]
-print(subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
-                     capture_output=True, text=True).stdout, flush=True)
+# Right after the nodes join, `ray status` may say "No cluster status" until the autoscaler's first
+# report (a few seconds): asked again until it reports, for at most 60 s.
+for _ in range(60):
+    status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
+                            capture_output=True, text=True).stdout
+    if "Active:" in status:
+        break
+    time.sleep(1)
+print(status, flush=True)
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 # verl's RayResourcePool: one bundle a node, the node's share of CPUs (GPUs on a GPU cluster).
 pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")
