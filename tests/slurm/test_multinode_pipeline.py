@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.cluster import load_profile
 from tests.conftest import REPO
 from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, manifest, wait_for
 
@@ -109,6 +110,27 @@ def test_each_stage_output_matches_a_one_node_run_byte_for_byte(runs, stage):
 
 def files(directory: Path) -> dict[str, Path]:
     return {str(p.relative_to(directory)): p for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_no_collective_of_a_healthy_run_comes_near_the_profiles_timeout(runs):
+    """collective_timeout_s bounds how long a lost node keeps its peers waiting (test_multinode_faults);
+    it must stay well above what any collective of a healthy run waits."""
+    env, two, _ = runs
+    wait_for(
+        lambda: ended(two, STAGES), "the five stages", explain=lambda: job_story(env, two, "stage4_grpo")
+    )
+    timeout = load_profile("local-multinode").collective_timeout_s
+    waits = {stage: longest_collective(two / stage / "profile") for stage in STAGES}
+    print(f"longest collective by stage (s): {waits}")
+    assert max(waits.values()) < timeout / 5, waits
+
+
+def longest_collective(profile: Path) -> float:
+    """Seconds of the longest gloo call any rank made (calls whose end was not seen are left out)."""
+    rows = (
+        json.loads(line) for path in profile.glob("rank-*.jsonl") for line in path.read_text().splitlines()
+    )
+    return max(e["t_end"] - e["t_start"] for e in rows if e["backend"] == "gloo" and e["t_end"] is not None)
 
 
 def weight_difference(a: Path, b: Path) -> str:
