@@ -24,8 +24,9 @@ logits of a 4 x 512-token micro-batch dominate. The cases:
   checkpointing, torch's AdamW; with offload, verl's own offload functions move the parameters and
   the optimizer states to host memory after each update and back before the next, as
   param_offload and optimizer_offload do; predicted by grpo_footprint (engine verl, backend fsdp).
-  The loss is verl's: log-probabilities of the response half of each sequence, from the logits of
-  the whole sequence (its no-remove-padding path, which our verl_trainer sets) with verl's own
+  The loss is verl's: log-probabilities of the response half of each sequence, taken as verl
+  0.9.1's engine takes them on its no-remove-padding path (which our verl_trainer sets unless
+  remove_padding): from a copy of every sequence's rows of the logits, with verl's own
   logprobs_from_logits. fsdp2-logits: the same on the "vocab" model. (The plan counts the gathered
   weights as FSDP1 gathers them, verl's default strategy: the embeddings with one layer, where
   apply_fsdp2 makes each embedding a unit of its own; a few MiB over here.)
@@ -225,11 +226,15 @@ def train_fsdp2(case: Case, model_dir: Path) -> dict:
         load_fsdp_optimizer(optimizer, device)
 
     def policy_loss(ids):
-        """verl's no-remove-padding path: the whole sequences' logits, the response's log-probs;
-        the logits are gone by the backward, as they are out of verl's forward_step by then."""
+        """verl 0.9.1's engine without remove-padding (transformer_impl.py prepare_model_outputs):
+        the padded logits, a copy of every sequence's real rows (here all of them), the log-prob
+        of each next token taken from that copy, of which the loss reads the response's."""
         response = case.seq // 2
-        logits = model(input_ids=ids, use_cache=False).logits[:, -response - 1 : -1]
-        return -logprobs_from_logits(logits, ids[:, -response:]).mean()
+        logits = model(input_ids=ids, use_cache=False).logits
+        rows = torch.cat(list(logits.unbind()))
+        labels = torch.roll(ids, shifts=-1, dims=1).reshape(-1)
+        logp = logprobs_from_logits(rows, labels).view(ids.shape)
+        return -logp[:, -response - 1 : -1].mean()
 
     for step, ids in enumerate(random_batches(case, device)):
         if case.offload and step:
