@@ -236,11 +236,16 @@ def _shard(zero: int, at_least: int, dp: int) -> tuple[str, int]:
     return ("/dp", dp) if zero >= at_least else ("", 1)
 
 
+def model_split(layout: Layout) -> str:
+    """How a rank's share of the model is written: /tp, /pp, both or neither."""
+    return "/tp" * (layout.tp > 1) + "/pp" * (layout.pp > 1)
+
+
 def training_states(P: int, prec: Precision, layout: Layout) -> list[Term]:
     """Weights, gradients and optimizer states of one GPU under TP, PP and ZeRO (offloaded optimizer
     states are 0 here: they are counted in host memory)."""
     t, dp, z = layout.tp * layout.pp, max(layout.dp, 1), layout.zero
-    tp = ("/tp" if layout.tp > 1 else "") + ("/pp" if layout.pp > 1 else "")
+    tp = model_split(layout)
     (wd, wn), (gd, gn), (od, on) = _shard(z, 3, dp), _shard(z, 2, dp), _shard(z, 1, dp)
     optimizer = 0.0 if layout.offload else P * prec.optimizer / (t * on)
     return [
@@ -369,11 +374,7 @@ def deepspeed_step(P: int, prec: Precision, layout: Layout) -> list[Term]:
     if layout.offload:
         return [Term("step_gradients", "0 (stepped on the host)", 0.0), Term("step_temporary", "0", 0.0)]
     t = layout.tp * layout.pp
-    split = (
-        ("/tp" if layout.tp > 1 else "")
-        + ("/pp" if layout.pp > 1 else "")
-        + ("/dp" if layout.zero >= 1 else "")
-    )
+    split = model_split(layout) + "/dp" * (layout.zero >= 1)
     div = t * layout.dp if layout.zero >= 1 else t
     wrapped = prec.grad != 4 or layout.zero >= 1  # DeepSpeed wraps torch's AdamW
     held = prec.grad + 4 if wrapped else prec.grad
@@ -505,7 +506,7 @@ def verl_micro_batch(g: GRPOStage, gpus: int) -> MicroBatch:
     rearrange_micro_batches): at worst one of min(T, n·s) tokens; packed that is all it runs,
     padded to its longest sequence it can be one of s tokens and T - s one-token ones."""
     v = g.verl
-    s = v.max_prompt_length + g.max_new_tokens
+    s = v.max_model_len(g.max_new_tokens)
     share = g.prompts_per_step / g.mini_batches * g.group_size / gpus
     if v.max_tokens_per_gpu is None:
         b = min(v.micro_batch_size_per_gpu, math.ceil(share))
@@ -560,7 +561,7 @@ def megatron_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: S
         replace(t, name=f"actor_{t.name}")
         for t in training_states(m.params(), MCORE_MIXED, replace(layout, offload=False))
     )
-    s = v.max_prompt_length + g.max_new_tokens
+    s = v.max_model_len(g.max_new_tokens)
     gpu = [
         weights,
         replace(grads, formula=f"{grads.formula} (fp32 main gradients)"),

@@ -225,10 +225,15 @@ def micro_batches(g: GRPOStage, dp: int) -> tuple[str, list[int]]:
     micros = divisors_down(g.prompts_per_step // g.mini_batches * g.group_size, dp)
     budget = g.verl.max_tokens_per_gpu
     if budget is None:
-        return "verl.micro_batch_size_per_gpu", micros or [g.verl.micro_batch_size_per_gpu]
-    s = g.verl.max_prompt_length + g.max_new_tokens
+        return micro_batch_key(g), micros or [g.verl.micro_batch_size_per_gpu]
+    s = g.verl.max_model_len(g.max_new_tokens)
     budgets = {min(budget, micros[0] * s)} if micros else {budget}
-    return "verl.max_tokens_per_gpu", sorted(budgets | {m * s for m in micros}, reverse=True)
+    return micro_batch_key(g), sorted(budgets | {m * s for m in micros}, reverse=True)
+
+
+def micro_batch_key(g: GRPOStage) -> str:
+    """The setting that sizes verl's micro-batches: sequences, or a token budget where one is set."""
+    return "verl.micro_batch_size_per_gpu" if g.verl.max_tokens_per_gpu is None else "verl.max_tokens_per_gpu"
 
 
 def actor_parallel(g: GRPOStage, shape: LlamaShape, gpus: int, gpus_per_node: int) -> list[dict]:
@@ -272,12 +277,7 @@ def setting_keys(stage) -> list[str]:
     if key == "grpo verl":
         actor = ["verl.megatron_tp", "verl.megatron_pp"] * (stage.verl.backend == "megatron")
         offload = ["verl.param_offload", "verl.optimizer_offload"]
-        micro = (
-            "verl.micro_batch_size_per_gpu"
-            if stage.verl.max_tokens_per_gpu is None
-            else "verl.max_tokens_per_gpu"
-        )
-        return [*offload, *actor, "verl.rollout_tp", micro, "verl.gpu_memory_utilization"]
+        return [*offload, *actor, "verl.rollout_tp", micro_batch_key(stage), "verl.gpu_memory_utilization"]
     if key == "grpo native":
         reshard = ["reshard_after_forward"] * (stage.data_parallel == "fsdp2")
         return ["data_parallel", *reshard, "micro_batch_size"]

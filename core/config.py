@@ -635,7 +635,7 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
 
 def _check_token_budget(sid: str, s: GRPOStage) -> None:
     """verl's rearrange_micro_batches asserts that the longest sequence fits one micro-batch."""
-    budget, longest = s.verl.max_tokens_per_gpu, s.verl.max_prompt_length + s.max_new_tokens
+    budget, longest = s.verl.max_tokens_per_gpu, s.verl.max_model_len(s.max_new_tokens)
     if budget is not None and budget < longest:
         raise ConfigError(
             f"{sid}.verl.max_tokens_per_gpu",
