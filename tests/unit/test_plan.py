@@ -204,7 +204,8 @@ def test_70b_sfts_final_eval_on_40gb_nodes_is_planned_over_two_nodes_and_written
         assert option["eval_settings"] == {"verl.rollout_tp": 8, "verl.gpu_memory_utilization": 0.8}
         assert not any("gmu" in r for r in option["refusals"])
     out = tmp_path / "overrides.txt"
-    assert main(["plan", str(CONFIG_70B), "--cluster", "perlmutter-80g", "--write-overrides", str(out)]) == 0
+    argv = ["plan", str(CONFIG_70B), "--cluster", "perlmutter-80g", "--out", str(tmp_path / "p.md")]
+    assert main([*argv, "--write-overrides", str(out)]) == 0
     lines = out.read_text().split()
     assert lines.count("eval.verl.rollout_tp=4") == 1  # both SFT stages plan it; written once
 
