@@ -91,7 +91,14 @@ def embedded_default_shrunk() -> dict:
     config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
     config.update(
         data={
-            "arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8, "eval_size": 8}
+            "arithmetic": {
+                "num_operands": 2,
+                "digits": 1,
+                "sft_size": 64,
+                "prompts_size": 8,
+                "eval_size": 8,
+                "validation_size": 1,
+            }
         },
         eval={"num_examples": 8, "max_new_tokens": 24, "batch_size": 8},
         wandb={"mode": "disabled"},
