@@ -137,7 +137,7 @@ def criteria(rows: list[dict[str, float | None]], walls: list[float]) -> list[tu
             (
                 f"{kind}: stage1 within [0.20, 0.70] in every run",
                 all(0.20 <= a <= 0.70 for a in s1),
-                _span(s1),
+                f"{min(s1):.3f} .. {max(s1):.3f}",
             ),
             (
                 f"{kind}: stage2 >= stage1 + 0.15 in every run",
