@@ -267,6 +267,12 @@ class GRPOStage(Section):
     """Sampling temperature of the rollout."""
     top_p: Probability = 1.0
     """Nucleus sampling threshold of the rollout."""
+    max_pass_rate: Probability = 1.0
+    """Train on the prompts the starting model does not already solve reliably: before the first
+    step it answers every prompt group_size times at `temperature`, and prompts with a larger share
+    of correct answers are left out (1.0: every prompt). A group whose answers are all right has no
+    advantage and teaches nothing; a stage that starts from a model solving most prompts (stage 3's)
+    otherwise spends most of its rollouts on them. Costs one rollout of the prompt set."""
     lr: PositiveFloat = 1e-4
     """Actor learning rate (AdamW), constant after the warmup."""
     warmup_steps: NonNegativeInt = 0
