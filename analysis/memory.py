@@ -59,7 +59,8 @@ B_TEXT = "5e8"
 ADAM_STEP_TEMPORARY = 4
 
 ASSUMPTIONS = (
-    "SFT: megatron-core with TP within a node (no PP: not implemented) and DeepSpeed ZeRO 0-2 over "
+    "SFT: megatron-core with TP within a node (PP planned, not implemented: see the last item) and "
+    "DeepSpeed ZeRO 0-2 over "
     "dp = N/tp, in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
     "fp32 under ZeRO 1-2: also 12, DeepSpeed steps an fp32 partition of its own), megatron's local "
     "(unfused) attention. DeepSpeed runs as our deepspeed_config leaves it, at ZeRO's defaults "
@@ -145,8 +146,10 @@ ASSUMPTIONS = (
     "checkpoint (memory-mapped); today's native synth loader reads the whole model on every rank; vLLM "
     "reads its TP shard. Offloaded states are pinned host memory of every rank of the node.",
     "SFT's CPU offload moves the optimizer states (with bf16, the fp32 master weights) to host memory; "
-    "recompute is full activation recomputation. Neither is an SFT config option yet: a plan that needs "
-    "them says so in its layout (+offload, +recompute).",
+    "recompute is full activation recomputation; pipeline parallelism splits the layers over pp "
+    "stages (each rank's weights, gradients and states P/tp/pp; under 1F1B the first stage keeps pp "
+    "micro-batches of L/pp layers, L layers' worth, and the logits are counted too). None is an SFT "
+    "config option yet: a plan that needs them says so in its layout (+offload, +recompute, ppN).",
 )
 
 
@@ -303,17 +306,20 @@ def offloaded(formula: str, per_rank: float, ranks: int) -> Term:
 def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Footprint:
     """DeepSpeed's phases of a step: forward and backward with the gradients' reduction, then the
     optimizer step; and the final eval."""
-    P, prec, t = m.params(), deepspeed_precision(s.dtype, layout.zero), layout.tp
+    P, prec = m.params(), deepspeed_precision(s.dtype, layout.zero)
+    t = layout.tp * layout.pp  # a rank's share of the model
     train = [
         *training_states(P, prec, layout),
         reduce_buffers(P / t, prec.grad, layout.zero, s.parallel.overlap_comm),
-        activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, t, True, layout.recompute),
+        # under 1F1B the first stage keeps pp micro-batches of L/pp layers: L layers' worth
+        activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, layout.tp, True, layout.recompute),
     ]
     step = deepspeed_step(P, prec, layout)
     evaluation, refusals = final_eval(m, site, prec.weight, layout.gpus)
     ranks = node_ranks(layout, site.gpus_per_node)
     moved = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
-    host = [*host_terms(m, "P/tp", P / t, ranks, site), offloaded("optimizer per GPU", moved, ranks)]
+    share = "P/tp" + "/pp" * (layout.pp > 1)
+    host = [*host_terms(m, share, P / t, ranks, site), offloaded("optimizer per GPU", moved, ranks)]
     phases = {
         "training": tuple(x.name for x in train),
         "optimizer_step": ("weights", "optimizer", *(x.name for x in step)),
@@ -362,8 +368,12 @@ def deepspeed_step(P: int, prec: Precision, layout: Layout) -> list[Term]:
     (DeepSpeedCPUAdam)."""
     if layout.offload:
         return [Term("step_gradients", "0 (stepped on the host)", 0.0), Term("step_temporary", "0", 0.0)]
-    t = layout.tp
-    split = ("/tp" if t > 1 else "") + ("/dp" if layout.zero >= 1 else "")
+    t = layout.tp * layout.pp
+    split = (
+        ("/tp" if layout.tp > 1 else "")
+        + ("/pp" if layout.pp > 1 else "")
+        + ("/dp" if layout.zero >= 1 else "")
+    )
     div = t * layout.dp if layout.zero >= 1 else t
     wrapped = prec.grad != 4 or layout.zero >= 1  # DeepSpeed wraps torch's AdamW
     held = prec.grad + 4 if wrapped else prec.grad

@@ -5,7 +5,8 @@ node (analysis/memory.py's formulas) and the verdict, in three tiers:
 - fits: within usable memory, with room to spare, and no offload;
 - fits with caveat: it fits, but only with CPU offload (configured or searched: PCIe traffic every
   step), or above HEADROOM of usable GPU or host memory (an estimate that close can be off), or
-  with what no config field sets yet (SFT's recomputation and offload); each caveat is named;
+  with what no config field sets yet (SFT's recomputation, offload and pipeline parallelism); each
+  caveat is named;
 - does not fit: above usable memory, or refused (the engine's own checks, or our commands').
 
 Usable memory is a fixed share of the machine's, GPU_USABLE of a GPU and HOST_USABLE of a node:
@@ -27,11 +28,19 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from analysis import plan_search
-from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footprint, synth_footprint
+from analysis.memory import (
+    Footprint,
+    Layout,
+    Site,
+    grpo_footprint,
+    rollout_terms,
+    sft_footprint,
+    synth_footprint,
+)
 from analysis.model_shape import LlamaShape
 from analysis.plan_search import Candidate, engine_layout, with_settings
 from core.cluster import ClusterProfile
-from core.config import ConfigError, GRPOStage, RunConfig, SFTStage
+from core.config import ConfigError, EvalConfig, GRPOStage, RunConfig, SFTStage
 
 GIB = 1 << 30
 # Of a GPU's memory, the caching allocator's fragmentation, the CUDA context and NCCL's buffers
@@ -93,7 +102,9 @@ class Option:
     settings: dict[str, object] = field(default_factory=dict)
     """The config settings (inside the stage's section) that give this layout."""
     unsettable: tuple[str, ...] = ()
-    """What the layout needs that no config field sets (SFT's recompute and offload)."""
+    """What the layout needs that no config field sets (SFT's recompute, offload and PP)."""
+    eval_settings: dict[str, object] = field(default_factory=dict)
+    """The held-out eval's settings (inside `eval`) this option runs its final eval with."""
 
     @property
     def verdict_text(self) -> str:
@@ -139,10 +150,14 @@ def offload_caveats(layout: Layout) -> tuple[str, ...]:
 
 
 def unsettable(stage, layout: Layout) -> tuple[str, ...]:
-    """SFT's layout features that no config field sets: the SFT engine does neither yet."""
+    """SFT's layout features that no config field sets: the SFT engine does none of them yet."""
     if not isinstance(stage, SFTStage):
         return ()
-    needs = (("optimizer offload", layout.offload), ("recompute", layout.recompute))
+    needs = (
+        ("optimizer offload", layout.offload),
+        ("recompute", layout.recompute),
+        (f"pipeline parallel {layout.pp}", layout.pp > 1),
+    )
     return tuple(name for name, on in needs if on)
 
 
@@ -169,14 +184,35 @@ def footprint_fn(stage, shape: LlamaShape, site: Site):
     return partial(builder, shape, stage, site=site)
 
 
-def evaluate(stage, shape: LlamaShape, site: Site, machine: Machine, gpus: int, cand: Candidate) -> Option:
-    """One candidate's footprint and verdict; our commands' refusals join the engine's."""
+def evaluate(
+    stage, shape: LlamaShape, site: Site, machine: Machine, gpus: int, cand: Candidate, eval_settings=None
+) -> Option:
+    """One candidate's footprint and verdict, its final eval (SFT's) run with `eval_settings`; our
+    commands' refusals join the engine's."""
     st = with_settings(stage, cand.settings)
     layout = replace(engine_layout(st, gpus), **cand.extras)
+    if eval_settings:
+        site = replace(site, eval=with_settings(site.eval, eval_settings))
     fp = footprint_fn(st, shape, site)(layout)
     fp = replace(fp, refusals=fp.refusals + plan_search.refusals(st, layout, machine.gpus_per_node))
     verdict, caveats = judge(st, layout, fp, machine)
-    return Option(layout, fp, verdict, caveats, cand.settings, unsettable(st, layout))
+    return Option(layout, fp, verdict, caveats, cand.settings, unsettable(st, layout), eval_settings or {})
+
+
+def planned_eval(e: EvalConfig, shape: LlamaShape, machine: Machine, gpus: int) -> dict[str, object]:
+    """The held-out eval's vLLM settings an SFT stage plans at `gpus` (eval.engine verl): the first,
+    in the rollout rules' order (smaller TP, within a node first; higher gpu_memory_utilization), that
+    vLLM starts with and whose share of a GPU stays within HEADROOM of usable memory; none where
+    nothing does (the configured ones are judged)."""
+    if e.engine != "verl":
+        return {}
+    for tp in plan_search.rollout_tps(shape, gpus, machine.gpus_per_node):
+        for gmu in plan_search.memory_shares(e.verl.gpu_memory_utilization):
+            v = e.verl.model_copy(update={"rollout_tp": tp, "gpu_memory_utilization": gmu})
+            budget, _, _, refused = rollout_terms(shape, v, machine.gpu_bytes, e.max_new_tokens)
+            if not refused and budget.bytes <= HEADROOM * machine.usable_gpu:
+                return {"verl.rollout_tp": tp, "verl.gpu_memory_utilization": gmu}
+    return {}
 
 
 def searched(groups: Iterable[plan_search.Group], judged) -> Iterator[Option]:
@@ -248,9 +284,9 @@ def plan_stage(
     judged = partial(evaluate, stage, shape, site, machine)
 
     def search(n: int) -> Option:
-        return choose(
-            searched(plan_search.groups(stage, shape, n, machine.gpus_per_node), partial(judged, n))
-        )
+        final_eval = planned_eval(cfg.eval, shape, machine, n) if isinstance(stage, SFTStage) else {}
+        judge_at_n = partial(judged, n, eval_settings=final_eval)
+        return choose(searched(plan_search.groups(stage, shape, n, machine.gpus_per_node), judge_at_n))
 
     configured = judged(cfg.nproc, plan_search.configured(stage))
     options = [search(n) for n in gpus]
@@ -288,12 +324,13 @@ def overrides(plans: list[StagePlan], nproc: int) -> tuple[list[str], list[str]]
                 "which no config field sets; left as configured"
             )
         else:
-            lines += setting_lines(p.stage_id, o)
+            lines += [line for line in setting_lines(p.stage_id, o) if line not in lines]
     return lines, left
 
 
 def setting_lines(stage_id: str, option: Option) -> list[str]:
-    return [f"{stage_id}.{key}={override_value(v)}" for key, v in option.settings.items()]
+    lines = [f"{stage_id}.{key}={override_value(v)}" for key, v in option.settings.items()]
+    return lines + [f"eval.{key}={override_value(v)}" for key, v in option.eval_settings.items()]
 
 
 def parse_gpus(text: str) -> list[int]:

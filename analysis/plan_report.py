@@ -36,7 +36,8 @@ def layout_text(kind: str, o: Option) -> str:
     extras += " +recompute" * layout.recompute
     rollout = f"rollout tp{s.get('verl.rollout_tp')} gmu{s.get('verl.gpu_memory_utilization')}"
     if kind == "sft":
-        return f"tp{layout.tp} dp{layout.dp} zero{layout.zero} micro{s['micro_batch_size']}{extras}"
+        pp = f" pp{layout.pp}" * (layout.pp > 1)
+        return f"tp{layout.tp}{pp} dp{layout.dp} zero{layout.zero} micro{s['micro_batch_size']}{extras}"
     if kind == "grpo" and "data_parallel" in s:  # the native engine
         reshard = ", no reshard" * (s.get("reshard_after_forward") is False)
         return f"native {s['data_parallel']} x{layout.gpus}{reshard}, micro{s['micro_batch_size']}"
@@ -193,6 +194,7 @@ def option_json(kind: str, o: Option) -> dict:
         "caveats": list(o.caveats),
         "layout": layout_text(kind, o),
         "settings": o.settings,
+        "eval_settings": o.eval_settings,
         "unsettable": list(o.unsettable),
         "tp": o.layout.tp,
         "dp": o.layout.dp,

@@ -127,8 +127,9 @@ ORDER: dict[str, tuple[Rule, ...]] = {
 class Candidate:
     settings: dict[str, object]
     """Config field (dotted, inside the stage's section) -> value."""
-    extras: dict[str, bool] = field(default_factory=dict)
-    """Layout features no config field sets (SFT's recomputation and CPU offload)."""
+    extras: dict[str, bool | int] = field(default_factory=dict)
+    """Layout features no config field sets (SFT's recomputation, CPU offload and pipeline
+    parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -175,16 +176,30 @@ def sft_groups(s: SFTStage, shape: LlamaShape, gpus: int, gpus_per_node: int) ->
     # megatron splits heads, KV heads, the vocabulary and the FFN; DeepSpeed's offload needs ZeRO >= 1
     tps = tp_sizes(gpus, gpus_per_node, (shape.heads, shape.kv_heads, shape.vocab, shape.ffn))
     for offload in (False, True):
-        for tp in tps:
-            micros = divisors_down(s.global_batch_size, gpus // tp) or [s.micro_batch_size]
-            for recompute in (False, True):
-                extras = {"offload": offload, "recompute": recompute}
+        for pp in pipeline_sizes(shape, gpus):
+            yield from sft_tp_groups(s, gpus, tps, offload, pp)
 
-                def make(micro: int, zero: int, tp=tp, extras=extras) -> Candidate:
-                    settings = {"parallel.tp": tp, "parallel.zero_stage": zero, "micro_batch_size": micro}
-                    return Candidate(settings, extras)
 
-                yield by_micro(micros, [1, 2] if offload else [0, 1, 2], make)
+def pipeline_sizes(shape: LlamaShape, gpus: int) -> list[int]:
+    """Pipeline-parallel sizes, smallest first: powers of two dividing the layers and the GPUs."""
+    return [
+        p for p in (1 << i for i in range(shape.layers.bit_length())) if not shape.layers % p and not gpus % p
+    ]
+
+
+def sft_tp_groups(s: SFTStage, gpus: int, tps: list[int], offload: bool, pp: int) -> Iterator[Group]:
+    for tp in tps:
+        if gpus % (tp * pp):
+            continue
+        micros = divisors_down(s.global_batch_size, gpus // (tp * pp)) or [s.micro_batch_size]
+        for recompute in (False, True):
+            extras = {"offload": offload, "recompute": recompute, "pp": pp}
+
+            def make(micro: int, zero: int, tp=tp, extras=extras) -> Candidate:
+                settings = {"parallel.tp": tp, "parallel.zero_stage": zero, "micro_batch_size": micro}
+                return Candidate(settings, extras)
+
+            yield by_micro(micros, [1, 2] if offload else [0, 1, 2], make)
 
 
 def verl_grpo_groups(g: GRPOStage, shape: LlamaShape, gpus: int, gpus_per_node: int) -> Iterator[Group]:
@@ -299,7 +314,8 @@ def with_settings(stage, settings: dict[str, object]):
 def engine_layout(stage, gpus: int) -> Layout:
     """The layout a stage's settings give on `gpus` GPUs."""
     if isinstance(stage, SFTStage):
-        return Layout(gpus, stage.parallel.tp, stage.parallel.zero_stage)
+        p = stage.parallel
+        return Layout(gpus, p.tp, p.zero_stage, pp=p.pp)
     v = stage.verl
     if stage.engine == "native":  # one whole model a rank (synth, ddp) or FSDP2 over all
         zero = 3 if isinstance(stage, GRPOStage) and stage.data_parallel == "fsdp2" else 0

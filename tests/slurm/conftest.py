@@ -1,5 +1,6 @@
-"""Fixtures of the Slurm tests: the multi-node local cluster, started for the module that asks for it
-and always stopped after it (namespaces, veths and bridge deleted)."""
+"""Fixtures of the Slurm tests: the multi-node local cluster, started once for the session (the
+modules that use it share it: a start and a stop cost ~20 s) and always stopped after it
+(namespaces, veths and bridge deleted)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ import pytest
 from tests.slurm.multinode import START_BUDGET_S, start_multinode, stop_multinode
 
 
-@pytest.fixture(scope="module")
-def multinode_env():
+@pytest.fixture(scope="session")
+def multinode_cluster():
     try:
         env, took = start_multinode(2)
         assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
         yield env
     finally:
         stop_multinode()
+
+
+@pytest.fixture(scope="module")
+def multinode_env(multinode_cluster):
+    """The session's cluster, up again where a module before stopped it (test_multinode_cluster's
+    stop test does); a start of a running cluster only checks it."""
+    env, took = start_multinode(2)
+    assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
+    return env

@@ -1,8 +1,11 @@
-"""The pipeline across the nodes of the multi-node local cluster: `hpcr1 submit --cluster
-local-multinode`, one rank a node, with no SLURM_CONF exported (the profile names it). Each rank
-runs on its own node and says so; under srun's pmix the ranks find each other through mpi4py across
-the nodes; the communication profile holds the same collectives on both hosts; and stage 1's final
-weights are byte-identical to a one-node run of the same two ranks (gloo, the same CPU)."""
+"""The five stages across the nodes of the multi-node local cluster: `hpcr1 submit
+configs/tiny-cpu.yaml --cluster local-multinode` (shrunk by overrides), one rank a node, with no
+SLURM_CONF exported (the profile names it). Each rank runs on its own node and says so; under srun's
+pmix the ranks find each other through mpi4py across the nodes; the communication profile holds the
+same collectives on both hosts; and every stage's output (final weights, the synthetic data) is
+byte-identical to a one-node run of the same two ranks, submitted with the same overrides to the same
+cluster, launcher and CPU: only the placement of the ranks differs (gloo over the bridge's TCP link
+vs. loopback; its reductions follow the ranks, not the transport)."""
 
 from __future__ import annotations
 
@@ -13,15 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import SMALL_RUN
-from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
+from core.cluster import load_profile
+from tests.conftest import REPO
+from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, manifest, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-TWO_STAGES = {
-    **SMALL_RUN,
-    "name": "multinode",
-    "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"},
-}
+STAGES = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo"]
+# What each stage hands on: a model directory, or the synthesis stage's data.
+OUTPUT = {stage: Path("final") for stage in STAGES} | {"stage3_synth": Path("data")}
 RANK_LINE = re.compile(
     r"rank (\d) of 2 on cpu \(gloo\), host (\S+) address (\S+), master (\S+):\d+, ranks from (\w+)"
 )
@@ -37,15 +39,14 @@ def one_node_profile(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(multinode_env, tmp_path_factory):
-    """Both runs submitted at once (Slurm runs them one after the other: they need the same cores)."""
+    """Both runs submitted at once (Slurm interleaves their stages: they need the same cores)."""
     env = {k: v for k, v in multinode_env.items() if k != "SLURM_CONF"}
     tmp = tmp_path_factory.mktemp("multinode")
-    config = tmp / "config.yaml"
-    config.write_text(yaml.safe_dump(TWO_STAGES))
+    config = str(REPO / "configs" / "tiny-cpu.yaml")
     two, one = tmp / "two-nodes", tmp / "one-node"
-    hpcr1(env, "submit", str(config), "--cluster", "local-multinode", "--run-dir", str(two))
+    hpcr1(env, "submit", config, "--cluster", "local-multinode", "--run-dir", str(two), *SHRUNK_OVERRIDES)
     cluster = str(one_node_profile(tmp))
-    hpcr1(env, "submit", str(config), "--cluster", cluster, "--only", "stage1_sft", "--run-dir", str(one))
+    hpcr1(env, "submit", config, "--cluster", cluster, "--run-dir", str(one), *SHRUNK_OVERRIDES)
     return env, two, one
 
 
@@ -58,17 +59,18 @@ def rank_lines(run: Path, stage: str) -> list[tuple[str, ...]]:
     return [RANK_LINE.search(log.read_text()).groups() for log in logs]
 
 
-def test_the_stages_run_with_one_rank_on_each_node(runs):
+def test_the_five_stages_run_with_one_rank_on_each_node(runs):
     env, two, _ = runs
-    stages = ["stage1_sft", "stage3_sft"]
-    wait_for(lambda: ended(two, stages), "both stages", explain=lambda: job_story(env, two, "stage3_sft"))
-    assert all(manifest(two)[s]["state"] == "done" for s in stages), job_story(env, two, "stage3_sft")
-    for stage in stages:
+    wait_for(
+        lambda: ended(two, STAGES), "the five stages", explain=lambda: job_story(env, two, "stage4_grpo")
+    )
+    assert all(manifest(two)[s]["state"] == "done" for s in STAGES), json.dumps(manifest(two), indent=1)
+    for stage in STAGES:
         # pmix (the cluster's MpiDefault): the ranks came from MPI, across the nodes.
         assert rank_lines(two, stage) == [
             ("0", "mnode1", "10.213.17.11", "mnode1", "mpi"),
             ("1", "mnode2", "10.213.17.12", "mnode1", "mpi"),
-        ]
+        ], stage
 
 
 def test_the_communication_profile_holds_the_same_collectives_on_both_hosts(runs):
@@ -88,17 +90,47 @@ def test_the_communication_profile_holds_the_same_collectives_on_both_hosts(runs
     assert any(e["phase"] == "bootstrap" and e["backend"] == "mpi" for e in events[1])
 
 
-def test_stage1_weights_match_a_one_node_run_byte_for_byte(runs):
+@pytest.mark.parametrize("stage", STAGES)
+def test_each_stage_output_matches_a_one_node_run_byte_for_byte(runs, stage):
     env, two, one = runs
+    for run in (one, two):
+        wait_for(
+            lambda: ended(run, [stage]), f"{stage} of {run.name}", explain=lambda: job_story(env, run, stage)
+        )
+        assert manifest(run)[stage]["state"] == "done", job_story(env, run, stage)
+    assert [host for _, host, *_ in rank_lines(one, stage)] == ["mnode1", "mnode1"]
+    outputs = [files(run / stage / OUTPUT[stage]) for run in (two, one)]
+    assert outputs[0].keys() == outputs[1].keys() and outputs[0], outputs
+    for name in outputs[0]:
+        a, b = (out[name] for out in outputs)
+        assert a.read_bytes() == b.read_bytes(), (
+            weight_difference(a, b) if a.suffix == ".safetensors" else name
+        )
+
+
+def files(directory: Path) -> dict[str, Path]:
+    return {str(p.relative_to(directory)): p for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_no_collective_of_a_healthy_run_comes_near_the_profiles_timeout(runs):
+    """collective_timeout_s bounds how long a lost node keeps its peers waiting (test_multinode_faults);
+    it must stay well above what any collective of a healthy run waits."""
+    env, two, _ = runs
     wait_for(
-        lambda: ended(one, ["stage1_sft"]),
-        "the one-node run",
-        explain=lambda: job_story(env, one, "stage1_sft"),
+        lambda: ended(two, STAGES), "the five stages", explain=lambda: job_story(env, two, "stage4_grpo")
     )
-    wait_for(lambda: ended(two, ["stage1_sft"]), "the two-node run")
-    assert [host for _, host, *_ in rank_lines(one, "stage1_sft")] == ["mnode1", "mnode1"]
-    weights = [run / "stage1_sft" / "final" / "model.safetensors" for run in (two, one)]
-    assert weights[0].read_bytes() == weights[1].read_bytes(), weight_difference(*weights)
+    timeout = load_profile("local-multinode").collective_timeout_s
+    waits = {stage: longest_collective(two / stage / "profile") for stage in STAGES}
+    print(f"longest collective by stage (s): {waits}")
+    assert max(waits.values()) < timeout / 5, waits
+
+
+def longest_collective(profile: Path) -> float:
+    """Seconds of the longest gloo call any rank made (calls whose end was not seen are left out)."""
+    rows = (
+        json.loads(line) for path in profile.glob("rank-*.jsonl") for line in path.read_text().splitlines()
+    )
+    return max(e["t_end"] - e["t_start"] for e in rows if e["backend"] == "gloo" and e["t_end"] is not None)
 
 
 def weight_difference(a: Path, b: Path) -> str:

@@ -19,14 +19,22 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 pytest.importorskip("ray")
 
 PROBE = """
-import os, socket, subprocess, sys
+import os, socket, subprocess, sys, time
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 address = os.environ["RAY_ADDRESS"]
-print(subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
-                     capture_output=True, text=True).stdout, flush=True)
+# `ray status` prints the autoscaler's last report, which lags the nodes joining by a few seconds
+# (seen: "No cluster status", or one active node while the placement group below spreads over
+# two): asked again until it lists both, for at most 60 s; the test reads the last answer.
+for _ in range(60):
+    status = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
+                            capture_output=True, text=True).stdout
+    if status.partition("Active:")[2].partition("Pending:")[0].count("node_") == 2:
+        break
+    time.sleep(1)
+print(status, flush=True)
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 # verl's RayResourcePool: one bundle a node, the node's share of CPUs (GPUs on a GPU cluster).
 pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD")

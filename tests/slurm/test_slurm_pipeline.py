@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.config import _apply_override
 from launch.slurm_launch import srun_command
 from tests.conftest import REPO, SMALL_RUN, hpcr1_env
 
@@ -85,39 +86,39 @@ def all_done(run: Path) -> bool:
     return len(stages) == 2 and all(e["state"] == "done" for e in stages.values())
 
 
+def overrides(section: str, **fields) -> list[str]:
+    return [f"{section}.{key}={value}" for key, value in fields.items()]
+
+
+# configs/tiny-cpu.yaml cut to a few steps on one-digit sums, as `hpcr1 submit` overrides: stage 1
+# must learn enough (~0.5 accuracy in 150 steps) for the synthesis stage to find correct answers, or
+# it fails, as it should. The multi-node pipeline test submits the same.
+SHRUNK_OVERRIDES = [
+    # one of the 100 one-digit sums is in the validation split
+    "data.arithmetic={num_operands: 2, digits: 1, sft_size: 64, prompts_size: 8, eval_size: 8, "
+    "validation_size: 1}",
+    "eval={num_examples: 8, max_new_tokens: 24, batch_size: 8}",
+    "wandb.mode=disabled",
+    *overrides("stage1_sft", steps=150, global_batch_size=32, micro_batch_size=16, lr=3e-3, min_lr=3e-4),
+    *overrides("stage1_sft", warmup_steps=2, checkpoint_every=50),
+    *overrides(
+        "stage3_sft", steps=4, global_batch_size=8, micro_batch_size=4, warmup_steps=1, checkpoint_every=2
+    ),
+    *(
+        item
+        for grpo in ("stage2_grpo", "stage4_grpo")
+        for item in overrides(
+            grpo, steps=2, prompts_per_step=4, group_size=2, max_new_tokens=24, checkpoint_every=1
+        )
+    ),
+    *overrides("stage3_synth", num_prompts=8, samples_per_prompt=2, max_new_tokens=24, batch_size=8),
+]
+
+
 def embedded_default_shrunk() -> dict:
-    """configs/tiny-cpu.yaml cut to a few steps on one-digit sums: stage 1 must learn enough (~0.5
-    accuracy in 150 steps) for the synthesis stage to find correct answers, or it fails, as it should."""
     config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-    config.update(
-        data={
-            "arithmetic": {
-                "num_operands": 2,
-                "digits": 1,
-                "sft_size": 64,
-                "prompts_size": 8,
-                "eval_size": 8,
-                "validation_size": 1,
-            }
-        },
-        eval={"num_examples": 8, "max_new_tokens": 24, "batch_size": 8},
-        wandb={"mode": "disabled"},
-    )
-    config["stage1_sft"].update(
-        steps=150,
-        global_batch_size=32,
-        micro_batch_size=16,
-        lr=3e-3,
-        min_lr=3e-4,
-        warmup_steps=2,
-        checkpoint_every=50,
-    )
-    config["stage3_sft"].update(
-        steps=4, global_batch_size=8, micro_batch_size=4, warmup_steps=1, checkpoint_every=2
-    )
-    for grpo in ("stage2_grpo", "stage4_grpo"):
-        config[grpo].update(steps=2, prompts_per_step=4, group_size=2, max_new_tokens=24, checkpoint_every=1)
-    config["stage3_synth"].update(num_prompts=8, samples_per_prompt=2, max_new_tokens=24, batch_size=8)
+    for item in SHRUNK_OVERRIDES:
+        _apply_override(config, item)
     return config
 
 

@@ -2,14 +2,13 @@
 70B verdicts against an independent search, the example configs' layouts, JSON shape, bad input."""
 
 import json
-import math
 from dataclasses import replace
 
 import pytest
 
 from analysis.memory import BF16_MIXED, Footprint, Layout, Site, grpo_footprint, training_states
 from analysis.model_shape import shape_from_hf_config
-from analysis.plan import CAVEAT, FITS, GIB, GPU_USABLE, HOST_USABLE, NO_FIT, Machine, fits
+from analysis.plan import CAVEAT, FITS, GIB, GPU_USABLE, HEADROOM, HOST_USABLE, NO_FIT, Machine, fits
 from core.config import GRPOStage, VerlConfig
 from pipeline.cli import main
 from tests.conftest import REPO
@@ -76,19 +75,20 @@ def test_zero_stage_divides_exactly_its_states_by_dp(zero, sharded):
 P_70B, L_70B, H_70B, KV_70B, F_70B, A_70B, V_70B = 70_553_706_496, 80, 8192, 1024, 28672, 64, 128256
 
 
-def sft_70b_tp4_zero2(n: int, micro: int, recompute: bool) -> tuple[float, float]:
-    """Training and optimizer step of the 70B SFT (1024-token sequences) at TP 4 (a node), ZeRO-2
-    over n/4, written out from the 70B config's numbers: bf16 weights, ZeRO-2-sharded bf16 gradients
-    and fp32 master + Adam states, DeepSpeed's 5e8-element bf16 gradient bucket and its flattened
-    copy, the activations (every layer's, or with full recomputation each layer's input and one
-    layer's), the logits; then the optimizer step: weights, master + Adam, the partition's bf16
-    gradients, their fp32 copy and AdamW's sqrt(v)."""
+def sft_70b_tp4_zero2(n: int, micro: int, recompute: bool, pp: int = 1) -> tuple[float, float]:
+    """Training and optimizer step of the 70B SFT (1024-token sequences) at TP 4 (a node) and PP pp,
+    ZeRO-2 over n/4/pp, written out from the 70B config's numbers: bf16 weights of the rank's
+    stage, ZeRO-2-sharded bf16 gradients and fp32 master + Adam states, DeepSpeed's 5e8-element bf16
+    gradient bucket and its flattened copy, the activations (every layer's, or with full
+    recomputation each layer's input and one layer's: under 1F1B the first stage keeps pp
+    micro-batches of L/pp layers, as many), the logits; then the optimizer step: weights, master +
+    Adam, the partition's bf16 gradients, their fp32 copy and AdamW's sqrt(v)."""
     P, L, h, kv, f, a, V, s, tp = P_70B, L_70B, H_70B, KV_70B, F_70B, A_70B, V_70B, 1024, 4
     one_layer = micro * s * 2 * (4 * h + (2 * h + 2 * kv + 4 * f + 2 * a * s) / tp)
     layers = L * micro * s * 2 * h + one_layer if recompute else L * one_layer
     activations = layers + micro * s * V * 10 / tp
-    training = 2 * P / tp + 14 * P / n + 2 * 5e8 * 2 + activations
-    step = 2 * P / tp + (12 + 2 + 4 + 4) * P / n
+    training = 2 * P / (tp * pp) + 14 * P / n + 2 * 5e8 * 2 + activations
+    step = 2 * P / (tp * pp) + (12 + 2 + 4 + 4) * P / n
     return training, step
 
 
@@ -102,10 +102,11 @@ def independent_70b_sft_min_gpus(gpu_gib: float, counts: list[int]) -> int | Non
 
 
 def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_says(capsys, tmp_path):
-    """Where the leanest layout first fits, its optimizer step bounds it, not its activations: it fits
-    without recomputation too (one sequence; two do not), so the plan needs none. Its caveat is the
-    final eval's, set here to verl's vLLM at gmu 0.85 of the 80 GiB GPU, above 90% of usable (the
-    config ships 0.8)."""
+    """Where the leanest layout our SFT engine runs first fits, its optimizer step bounds it, not its
+    activations: it fits without recomputation too (one sequence; two do not), so the plan needs
+    none. The final eval is configured at gmu 0.85 of the 80 GiB GPU, above 90% of usable: the plan
+    runs it at 0.8 instead, which it writes as eval.* overrides. With pipeline parallelism (no SFT
+    option yet) half the GPUs do, with that caveat."""
     counts = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     plan = plan_json(
         capsys,
@@ -121,14 +122,18 @@ def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_
     sft = plan["stages"]["stage1_sft"]
     assert sft["verdicts"]["1"] == NO_FIT
     expected = independent_70b_sft_min_gpus(80, counts)
-    assert expected is not None and sft["min_gpus_with_caveat"] == expected
-    usable, final_eval = GPU_USABLE * 80 * GIB, 0.85 * 80 * GIB
-    assert max(sft_70b_tp4_zero2(expected, 1, False)) < final_eval < usable
+    assert expected is not None and sft["min_gpus"] == expected
+    usable = GPU_USABLE * 80 * GIB
+    assert max(sft_70b_tp4_zero2(expected, 1, False)) < HEADROOM * usable
     assert sft_70b_tp4_zero2(expected, 2, False)[0] > usable
     chosen = sft["options"][counts.index(expected)]
-    layout = chosen["tp"], chosen["zero_stage"], chosen["settings"]["micro_batch_size"]
-    assert layout == (4, 2, 1) and not chosen["recompute"] and not chosen["offload"]
-    assert sft["caveats"][str(expected)] == [f"{math.ceil(100 * 0.85 / GPU_USABLE)}% of usable GPU memory"]
+    layout = chosen["tp"], chosen["pp"], chosen["zero_stage"], chosen["settings"]["micro_batch_size"]
+    assert layout == (4, 1, 2, 1) and not chosen["recompute"] and not chosen["offload"]
+    assert not chosen["caveats"] and chosen["eval_settings"]["verl.gpu_memory_utilization"] == 0.8
+    half = expected // 2
+    assert max(sft_70b_tp4_zero2(half, 1, False)) > usable >= max(sft_70b_tp4_zero2(half, 1, False, pp=2))
+    assert sft["min_gpus_with_caveat"] == half
+    assert sft["caveats"][str(half)] == ["pipeline parallel 2 (no SFT option yet)"]
 
 
 CONFIG_70B, CONFIG_8B = REPO / "configs/llama-3.3-70b-perlmutter.yaml", REPO / "configs/llama-3.1-8b.yaml"
@@ -184,6 +189,24 @@ def test_70b_synthesis_on_40gb_nodes_fits_without_caveat_once_a_vllm_instance_sp
     rejected = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter", "llama-3.3-70b", "--gpus", "12")
     twelve = rejected["stages"]["stage3_synth"]["options"][0]
     assert twelve["settings"]["verl.rollout_tp"] != 8  # 8 GPUs do not tile 12
+
+
+def test_70b_sfts_final_eval_on_40gb_nodes_is_planned_over_two_nodes_and_written_as_eval_overrides(
+    capsys, tmp_path
+):
+    """The config's eval (vLLM tp4 at gmu 0.8) cannot start on 40 GB GPUs: 35.3 GB of weights a GPU
+    exceed 0.8 x 42.9 GB. The plan runs it at tp8 over two nodes, and where the stage's own plan
+    can be written, writes the eval's settings beside it."""
+    plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter", "llama-3.3-70b", "--gpus", "8,64")
+    sft = plan["stages"]["stage1_sft"]
+    assert any("exceed gmu·M" in r for r in sft["at_nproc"]["refusals"])  # as configured
+    for option in sft["options"]:
+        assert option["eval_settings"] == {"verl.rollout_tp": 8, "verl.gpu_memory_utilization": 0.8}
+        assert not any("gmu" in r for r in option["refusals"])
+    out = tmp_path / "overrides.txt"
+    assert main(["plan", str(CONFIG_70B), "--cluster", "perlmutter-80g", "--write-overrides", str(out)]) == 0
+    lines = out.read_text().split()
+    assert lines.count("eval.verl.rollout_tp=4") == 1  # both SFT stages plan it; written once
 
 
 def test_8b_config_with_synthesis_on_verl_fits_its_40gb_nodes_at_its_nproc(capsys, tmp_path):
