@@ -52,7 +52,14 @@ TINY_PIPELINE = {
     "name": "kill-anywhere",
     "wandb": {"mode": "disabled"},
     "data": {
-        "arithmetic": {"num_operands": 2, "digits": 1, "sft_size": 64, "prompts_size": 8, "eval_size": 8}
+        "arithmetic": {
+            "num_operands": 2,
+            "digits": 1,
+            "sft_size": 64,
+            "prompts_size": 8,
+            "eval_size": 8,
+            "validation_size": 1,
+        }
     },
     "eval": {"num_examples": 8, "max_new_tokens": 48, "batch_size": 8},
     "stage1_sft": {**SFT, "steps": 30, "checkpoint_every": 10, "lr": 3e-3, "min_lr": 3e-4},

@@ -76,8 +76,10 @@ class ArithmeticTask(Section):
     """Curated chain-of-thought examples for SFT."""
     prompts_size: PositiveInt = 2000
     """Prompts for GRPO and synthetic-data generation."""
+    validation_size: NonNegativeInt = 200
+    """Validation problems, disjoint from every other split: what tuning decisions read (0: none)."""
     eval_size: PositiveInt = 200
-    """Held-out problems for evaluation after each stage."""
+    """Held-out (test) problems, disjoint from every other split: only reported, never tuned on."""
     worked_fraction: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Share of the curated SFT solutions that show their working; the others give the answer alone
     (`<think></think>`), as scraped datasets often do. Below 1, SFT learns to skip the working on
@@ -93,8 +95,11 @@ class DataConfig(Section):
     """JSONL or Parquet with worked solutions (GSM8K, problem/solution/answer or chat messages)."""
     prompts_file: str | None = None
     """JSONL or Parquet with prompts and answers for GRPO and synthesis."""
+    validation_file: str | None = None
+    """JSONL or Parquet validation set, disjoint from the held-out set: what tuning decisions read.
+    Optional: without it no validation accuracy is measured."""
     eval_file: str | None = None
-    """JSONL or Parquet held-out set."""
+    """JSONL or Parquet held-out (test) set: only reported, never tuned on."""
 
 
 class VerlRolloutConfig(Section):
@@ -119,11 +124,27 @@ class VerlRolloutConfig(Section):
 
 class EvalConfig(Section):
     num_examples: PositiveInt = 200
-    """Held-out examples scored after each stage (greedy decoding)."""
+    """Held-out (test) examples scored after each stage, the first N of the held-out split: only
+    reported, never tuned on. At 200 one problem is 0.5 points."""
+    validation_examples: NonNegativeInt | None = None
+    """Validation examples scored after each stage, the first N of the validation split, as the
+    held-out ones are: what tuning decisions read. None: as many as num_examples, or the whole split
+    where it holds fewer; 0: none."""
+    samples: NonNegativeInt = 4
+    """k: answers sampled per problem at `temperature`, besides the greedy one; the stage reports
+    their mean accuracy (mean@k, R1's pass@1 estimate) beside the greedy accuracy. 0: greedy only."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of the k sampled answers: the rollout's (the GRPO stages' temperature)."""
     max_new_tokens: PositiveInt = 64
     """Generation budget per answer."""
     batch_size: PositiveInt = 50
-    """Prompts generated together per rank."""
+    """Answers generated together per rank (greedy and sampled alike)."""
+
+    @property
+    def validation_count(self) -> int:
+        """Validation examples scored at most (validation_examples, or num_examples where it is None)."""
+        return self.num_examples if self.validation_examples is None else self.validation_examples
+
     engine: Literal["native", "verl"] = "native"
     """What generates the held-out answers of stages that do not run on verl: 'native' (each
     rank loads the whole model in its dtype and decodes its share) or 'verl' (verl's generation
@@ -246,6 +267,12 @@ class GRPOStage(Section):
     """Sampling temperature of the rollout."""
     top_p: Probability = 1.0
     """Nucleus sampling threshold of the rollout."""
+    max_pass_rate: Probability = 1.0
+    """Train on the prompts the starting model does not already solve reliably: before the first
+    step it answers every prompt group_size times at `temperature`, and prompts with a larger share
+    of correct answers are left out (1.0: every prompt). A group whose answers are all right has no
+    advantage and teaches nothing; a stage that starts from a model solving most prompts (stage 3's)
+    otherwise spends most of its rollouts on them. Costs one rollout of the prompt set."""
     lr: PositiveFloat = 1e-4
     """Actor learning rate (AdamW), constant after the warmup."""
     warmup_steps: NonNegativeInt = 0
@@ -374,9 +401,9 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     """The base model."""
     data: DataConfig = DataConfig()
-    """The task: curated SFT set, prompt set and held-out set."""
+    """The task: curated SFT set, prompt set, validation set and held-out set."""
     eval: EvalConfig = EvalConfig()
-    """Held-out evaluation after each stage."""
+    """Validation and held-out evaluation after each stage."""
     profile: ProfileConfig = ProfileConfig()
     """Communication profiling."""
     wandb: WandbConfig = WandbConfig()
@@ -432,9 +459,8 @@ def _with_absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
     def absolute(p):
         return None if p is None else str(resolve_path(base, p).resolve())
 
-    data = cfg.data.model_copy(
-        update={k: absolute(getattr(cfg.data, k)) for k in ("sft_file", "prompts_file", "eval_file")}
-    )
+    files = ("sft_file", "prompts_file", "validation_file", "eval_file")
+    data = cfg.data.model_copy(update={k: absolute(getattr(cfg.data, k)) for k in files})
     model = cfg.model.model_copy(update={k: absolute(getattr(cfg.model, k)) for k in ("path", "shape")})
     return cfg.model_copy(update={"data": data, "model": model})
 
@@ -576,8 +602,10 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
             "model.tiny.num_kv_heads", f"{t.num_kv_heads} does not divide num_heads ({t.num_heads})"
         )
     if cfg.data.task == "files" and data_files:
-        for name in ("sft_file", "prompts_file", "eval_file"):
+        for name in ("sft_file", "prompts_file", "validation_file", "eval_file"):
             value = getattr(cfg.data, name)
+            if name == "validation_file" and value is None:  # optional
+                continue
             if value is None or not resolve_path(base, value).is_file():
                 raise ConfigError(f"data.{name}", f"file {value!r} not found")
     dims = model_dims(cfg, base, shape_will_do=not data_files)

@@ -44,3 +44,19 @@ class Manifest:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def describe_eval(evaluation: dict) -> str:
+    """A training stage's eval entry (eval.json) in one line: held-out greedy accuracy and mean@k,
+    then the validation set's; `held-out 0.470 greedy, 0.431 mean@4 (n=200); validation ...`."""
+    line = f"held-out {_accuracies(evaluation)}"
+    if "validation" in evaluation:
+        line += f"; validation {_accuracies(evaluation['validation'])}"
+    return line
+
+
+def _accuracies(result: dict) -> str:
+    text = f"{result['accuracy']:.3f} greedy"
+    if "mean_at_k" in result:
+        text += f", {result['mean_at_k']:.3f} mean@{result['k']}"
+    return f"{text} (n={result['n']})"

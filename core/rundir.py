@@ -34,7 +34,7 @@ class RunDir:
         return self.inputs / "model.json"
 
     def task_file(self, split: str) -> Path:
-        """split: sft, prompts or eval."""
+        """split: sft, prompts, validation or eval (held-out)."""
         return self.inputs / "data" / f"{split}.jsonl"
 
     def stage(self, stage_id: str) -> Path:

@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", required=True, help="JSONL or Parquet file with prompts and answers")
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    ev.add_argument("--samples", type=int, default=4, help="k sampled answers a problem (mean@k)")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the k answers")
+    ev.add_argument("--seed", type=int, default=0, help="seeds the k answers' draws")
     ev.set_defaults(func=cmd_eval)
     return p
 
@@ -374,11 +377,19 @@ def cmd_status(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from core.config import ConfigError, EvalConfig
     from stages.data.examples import read_examples
     from stages.eval import evaluate_model_dir
 
+    if args.samples < 0:
+        raise ConfigError("--samples", f"must be 0 or more (got {args.samples})")
+    if not args.temperature > 0:
+        raise ConfigError("--temperature", f"must be positive (got {args.temperature})")
     examples = read_examples(args.data)[: args.limit]
-    result = evaluate_model_dir(Path(args.model_dir), examples, args.max_new_tokens)
+    settings = EvalConfig.model_validate(
+        {"max_new_tokens": args.max_new_tokens, "samples": args.samples, "temperature": args.temperature}
+    )
+    result = evaluate_model_dir(Path(args.model_dir), examples, settings, args.seed)
     print(json.dumps(result))
     return 0
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.atomic import atomic_write_text, tree_checksums
 from core.config import ConfigError, RunConfig, dump_config
-from core.manifest import Manifest
+from core.manifest import Manifest, describe_eval
 from core.rundir import RunDir
 from launch.local import run_stage_locally
 from pipeline.fingerprint import changed_parts, digest, input_parts
@@ -187,7 +187,7 @@ def _outcome(evaluation: dict) -> str:
             f"kept {evaluation['kept']} of {evaluation['n']} sampled answers "
             f"(acceptance {evaluation['accuracy']:.3f})"
         )
-    return f"held-out accuracy {evaluation['accuracy']:.3f} (n={evaluation['n']})"
+    return describe_eval(evaluation)
 
 
 def _final_intact(run: RunDir, sid: str, entry: dict) -> bool:

@@ -1,6 +1,6 @@
 """What a stage's result depends on, part by part: its own config section, the data files it
-reads, the base model or the outputs of the stages it starts from, and the held-out set its
-recorded accuracy is measured on. Stored in the manifest when the stage starts; a done stage whose
+reads, the base model or the outputs of the stages it starts from, and the validation and held-out
+sets its recorded accuracies are measured on. Stored in the manifest when the stage starts; a done stage whose
 parts differ on the next run is rerun, and the parts that differ say why."""
 
 from __future__ import annotations
@@ -26,11 +26,17 @@ def input_parts(
     parts = {
         f"config of {sid}": digest(stage.model_dump(mode="json")),
         "seed and nproc": digest([cfg.seed, cfg.nproc]),
-        # The accuracy in the manifest is part of the result; the batch size only changes speed.
+        # The accuracies in the manifest are part of the result; the batch size only changes the
+        # speed of greedy answers (sampled ones draw their tokens batch by batch).
         "held-out set": digest(
-            [file_sha256(run.task_file("eval")), cfg.eval.model_dump(mode="json", exclude={"batch_size"})]
+            [
+                file_sha256(run.task_file("eval")),
+                cfg.eval.model_dump(mode="json", exclude=set() if cfg.eval.samples else {"batch_size"}),
+            ]
         ),
     }
+    if run.task_file("validation").is_file():
+        parts["validation set"] = file_sha256(run.task_file("validation"))[:16]
     if stage.init_from == "base":
         parts["base model"] = digest([cfg.model.model_dump(mode="json"), files_fingerprint(run.base_model)])
     for split in data_splits(stage):

@@ -1,4 +1,5 @@
-"""The run's inputs: the base model with its tokenizer, and the task's three data sets.
+"""The run's inputs: the base model with its tokenizer, and the task's four data sets (SFT, prompts,
+validation, held-out).
 
 `load_task` reads (or generates) the data first, so a malformed file is reported before anything
 is written; `prepare_inputs` then writes them into the run directory once.
@@ -11,29 +12,36 @@ import shutil
 from pathlib import Path
 
 from core.atomic import atomic_write_text
-from core.config import RunConfig, resolve_path
+from core.config import ConfigError, RunConfig, resolve_path
 from core.rundir import RunDir
 from stages.data.arithmetic import generate_arithmetic
 from stages.data.examples import Example, read_examples, write_examples
 
-SPLITS = ("sft", "prompts", "eval")
+SPLITS = ("sft", "prompts", "validation", "eval")
 TINY_VOCAB_SIZE = 128  # the character tokenizer's ~110 tokens, padded so TP up to 8 divides it
 
 
 def load_task(cfg: RunConfig, config_dir: Path) -> dict[str, list[Example]]:
     if cfg.data.task == "files":
-        files = {"sft": cfg.data.sft_file, "prompts": cfg.data.prompts_file, "eval": cfg.data.eval_file}
-        return {split: read_examples(resolve_path(config_dir, path)) for split, path in files.items()}
+        files = {split: getattr(cfg.data, f"{split}_file") for split in SPLITS}
+        # No validation file: an empty validation set, and no validation accuracy.
+        return {split: read_examples(resolve_path(config_dir, p)) if p else [] for split, p in files.items()}
     a = cfg.data.arithmetic
     sizes = {"sft": a.sft_size, "prompts": a.prompts_size, "eval": a.eval_size}
+    sizes["validation"] = a.validation_size
     # The generator's split names: the SFT set is its "train" split.
-    names = {"sft": "train", "prompts": "prompts", "eval": "eval"}
+    names = {"sft": "train", "prompts": "prompts", "validation": "validation", "eval": "eval"}
     # Only the SFT set leaves out working: the others' solutions are never trained on.
-    worked = {"sft": a.worked_fraction, "prompts": 1.0, "eval": 1.0}
-    return {
-        split: generate_arithmetic(cfg.seed, n, names[split], a.num_operands, a.digits, worked[split])
-        for split, n in sizes.items()
-    }
+    worked = {"sft": a.worked_fraction, "prompts": 1.0, "validation": 1.0, "eval": 1.0}
+    task = {}
+    for split, n in sizes.items():
+        try:
+            task[split] = generate_arithmetic(
+                cfg.seed, n, names[split], a.num_operands, a.digits, worked[split]
+            )
+        except ValueError as e:
+            raise ConfigError(f"data.arithmetic.{split}_size", str(e)) from None
+    return task
 
 
 def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], config_dir: Path) -> None:
@@ -41,6 +49,9 @@ def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], 
     asks for now (an edited data file, another model): the stages that read them then rerun."""
     for split in SPLITS:
         path = run.task_file(split)
+        if not task[split]:  # no validation file given: no validation set
+            path.unlink(missing_ok=True)
+            continue
         if not path.exists() or read_examples(path) != task[split]:
             write_examples(path, task[split])
     spec = json.dumps({"model": cfg.model.model_dump(mode="json"), "seed": cfg.seed}, sort_keys=True)
@@ -56,6 +67,12 @@ def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], 
     _remove(run.base_model)
     tmp.rename(run.base_model)
     atomic_write_text(run.base_model_spec, spec)
+
+
+def validation_examples(run: RunDir, n: int) -> list[Example]:
+    """The first `n` validation examples; none where the run has no validation set."""
+    path = run.task_file("validation")
+    return read_examples(path)[:n] if n and path.is_file() else []
 
 
 def _remove(path: Path) -> None:

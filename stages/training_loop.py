@@ -1,7 +1,7 @@
 """The loop every training stage runs, for any engine with `load(dir)`, `save(dir, state)`,
 `export_hf(dir, tokenizer_dir)` and `close()`: resume from the newest checkpoint all ranks agree on,
 train step by step with metrics and a progress bar, checkpoint (periodically, or on a preemption
-signal), then export final/ and evaluate it on the held-out set."""
+signal), then export final/ and evaluate it on the validation and held-out sets."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from core.atomic import atomic_write_text
+from core.manifest import describe_eval
 from runtime.context import StageContext
 from runtime.dist import release_cached_memory
 from runtime.phases import phase
@@ -20,6 +21,7 @@ from runtime.preemption import leave_for_requeue, stop_requested
 from stages.checkpoint import CheckpointDir, agreed_resume_step, step_name
 from stages.data.examples import read_examples
 from stages.eval import evaluate_model_dir
+from stages.inputs import validation_examples
 from stages.metrics import MetricsLogger
 
 # step -> (the step's metrics, its counts for throughput: {"samples": n, ...})
@@ -106,9 +108,10 @@ def finish(ctx: StageContext, engine, init_dir) -> None:
     if cfg.eval.engine == "verl":  # the job's verl generation server scores final/ once the ranks exit
         return
     examples = read_examples(ctx.run.task_file("eval"))[: cfg.eval.num_examples]
+    validation = validation_examples(ctx.run, cfg.eval.validation_count)
     ctx.begin_step(ctx.stage.steps + 1)  # the evaluation's own step in the profile
     with phase("eval"):
-        result = evaluate_model_dir(final, examples, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+        result = evaluate_model_dir(final, examples, cfg.eval, cfg.seed, validation)
     if ctx.is_main:
         atomic_write_text(ctx.run.eval_result(ctx.stage_id), json.dumps(result))
-        ctx.log.info("held-out accuracy %.3f on %d examples", result["accuracy"], result["n"])
+        ctx.log.info("accuracy of final/: %s", describe_eval(result))

@@ -20,7 +20,9 @@ import random
 
 from stages.data.examples import Example
 
-SPLIT_PERCENT = {"train": 80, "prompts": 10, "eval": 10}
+# Validation takes a sixteenth of what was the train split's share: prompts and held-out (eval) keep
+# their problems, and in every problem space as small as the tests' (100 problems) they keep their size.
+SPLIT_PERCENT = {"train": 75, "validation": 5, "prompts": 10, "eval": 10}
 EXACT_COUNT_LIMIT = 10_000  # problem spaces up to this size have their split sizes counted exactly
 
 

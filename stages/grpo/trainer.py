@@ -17,6 +17,7 @@ from stages.data.examples import read_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
+from stages.grpo.difficulty import pass_counts, select_prompts
 from stages.grpo.losses import grpo_advantages
 from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
@@ -142,12 +143,43 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
     }
 
 
+def prompts_to_learn(ctx: StageContext, roles: Roles, prompts: list) -> list:
+    """The prompts the starting model solves at most max_pass_rate of the time (stages/grpo/difficulty.py)."""
+    stage, rank = ctx.stage, dist.get_rank()
+    with phase("prompt_selection"):
+        # seeded past the stage's steps: no training rollout draws the same stream
+        counts = pass_counts(
+            roles.rollout, prompts, lambda call: sampling_seed(ctx.cfg.seed, stage.steps + 1 + call, rank)
+        )
+    kept = select_prompts(
+        prompts,
+        counts,
+        stage.group_size,
+        stage.max_pass_rate,
+        stage.prompts_per_step,
+        f"{ctx.stage_id}.max_pass_rate",
+    )
+    ctx.log.info(
+        "training on the %d of %d prompts the starting model solves at most %g of the time "
+        "(%d answers each; mean pass rate %.3f)",
+        len(kept),
+        len(prompts),
+        stage.max_pass_rate,
+        stage.group_size,
+        sum(counts) / (len(prompts) * stage.group_size),
+    )
+    return kept
+
+
 def run(ctx: StageContext) -> None:
     stage, cfg = ctx.stage, ctx.cfg
     init_dir = ctx.run.model_dir(stage.init_from)
     tokenizer = load_tokenizer(init_dir)
-    schedule = PromptSchedule(read_examples(ctx.run.task_file("prompts")), stage.prompts_per_step, cfg.seed)
     roles = build_roles(init_dir, tokenizer, stage)
+    prompts = read_examples(ctx.run.task_file("prompts"))
+    if stage.max_pass_rate < 1:
+        prompts = prompts_to_learn(ctx, roles, prompts)
+    schedule = PromptSchedule(prompts, stage.prompts_per_step, cfg.seed)
     samples = {"samples": stage.prompts_per_step * stage.group_size}
     train(
         ctx,

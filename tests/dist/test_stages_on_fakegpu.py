@@ -59,7 +59,10 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
 def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
     overrides = SHORT_SFT + (SHORT_GRPO if kind == "grpo" else ["--only", "stage1_sft"])
-    device, cpu = runs(f"{kind}-device", *overrides, device=True), runs(f"{kind}-cpu", *overrides, device=False)
+    device, cpu = (
+        runs(f"{kind}-device", *overrides, device=True),
+        runs(f"{kind}-cpu", *overrides, device=False),
+    )
     assert "on fakegpu:0" in rank_log(device, "stage1_sft"), "the ranks did not run on the emulated device"
     for stage_id in ("stage1_sft", "stage2_grpo") if kind == "grpo" else ("stage1_sft",):
         ours, reference = metrics(device, stage_id), metrics(cpu, stage_id)
@@ -67,14 +70,23 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
         assert [m[key] for m in ours] == pytest.approx([m[key] for m in reference], rel=1e-5)
         on_gpu, on_cpu = (json.loads((d / stage_id / "eval.json").read_text()) for d in (device, cpu))
         assert (on_gpu["device"], on_gpu["dtype"], on_gpu["n"]) == ("fakegpu", "float32", 16)
-        assert {k: on_gpu[k] for k in ("accuracy", "format_rate")} == {k: on_cpu[k] for k in ("accuracy", "format_rate")}
+        # greedy and sampled (mean@k: the same seeded draws on either device) alike
+        keys = ("accuracy", "format_rate", "mean_at_k", "format_rate_at_k")
+        assert {k: on_gpu[k] for k in keys} == {k: on_cpu[k] for k in keys}
+        assert {k: on_gpu["validation"][k] for k in keys} == {k: on_cpu["validation"][k] for k in keys}
 
 
 def test_commbench_runs_on_the_device_with_its_backend(tmp_path):
     out = tmp_path / "commbench.json"
     argv = [sys.executable, "-m", "launch.commbench", "--nproc", "2", "--sizes", "1K,64K", "--iters", "2"]
-    proc = subprocess.run([*argv, "--warmup", "1", "--out", str(out)], cwd=REPO, env=on_device(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*argv, "--warmup", "1", "--out", str(out)],
+        cwd=REPO,
+        env=on_device(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     bench = json.loads(out.read_text())
     assert bench["backend"] == "fakeccl" and bench["world_size"] == 2

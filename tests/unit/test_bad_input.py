@@ -75,6 +75,23 @@ BAD_CONFIGS = {
         ),
         "data.sft_file",
     ),
+    "more validation problems than the task has": (
+        _with(
+            data={
+                "arithmetic": {
+                    "num_operands": 2,
+                    "digits": 1,
+                    "sft_size": 8,
+                    "prompts_size": 8,
+                    "eval_size": 8,
+                }
+                | {"validation_size": 2}  # of the 100 problems of two digits, one is in validation
+            }
+        ),
+        "data.arithmetic.validation_size",
+    ),
+    "negative sample count": (_with(eval={"samples": -1}), "eval.samples"),
+    "zero eval temperature": (_with(eval={"temperature": 0.0}), "eval.temperature"),
     "hf model without a path": (_with(model={"source": "hf"}), "model.path"),
     "hf model path without config.json": (
         _with(model={"source": "hf", "path": "/nonexistent"}),

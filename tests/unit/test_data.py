@@ -3,6 +3,7 @@ every accepted file shape loads; every malformed file is one clear DataError nam
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -13,10 +14,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from core.config import load_config
 from stages.data.arithmetic import chain_of_thought, generate_arithmetic, max_problems
 from stages.data.examples import DataError, Example, read_examples, write_examples
+from stages.inputs import load_task
+from tests.conftest import REPO
 
-SPLITS = ("train", "prompts", "eval")
+SPLITS = ("train", "prompts", "validation", "eval")
 STEP = re.compile(r"(\d(?:\+\d)*)\+(\d+)=(\d+)")  # "0+4+3+0=7": column digits, carry in, column sum
 
 
@@ -42,14 +46,28 @@ def test_fewer_examples_are_a_prefix_of_more():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_splits_share_no_problem(seed):
-    sets = {
-        s: {operands(e) for e in generate_arithmetic(seed, n, s)}
-        for s, n in (("train", 3000), ("prompts", 1000), ("eval", 1000))
-    }
-    assert [len(sets[s]) for s in SPLITS] == [3000, 1000, 1000], "problems repeat within a split"
-    assert not (
-        sets["train"] & sets["prompts"] or sets["train"] & sets["eval"] or sets["prompts"] & sets["eval"]
-    )
+    sizes = {"train": 3000, "prompts": 1000, "validation": 1000, "eval": 1000}
+    sets = {s: {operands(e) for e in generate_arithmetic(seed, n, s)} for s, n in sizes.items()}
+    assert [len(sets[s]) for s in SPLITS] == list(sizes.values()), "problems repeat within a split"
+    for a, b in itertools.combinations(SPLITS, 2):
+        assert not sets[a] & sets[b], (a, b)
+
+
+def test_the_embedded_defaults_validation_and_held_out_sets_are_disjoint_from_all_else():
+    """What a run writes to inputs/data/: validation (tuning reads it) and held-out (only reported)
+    share no problem with each other nor with what is trained on, checked on the prompts themselves."""
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml")
+    task = load_task(cfg, REPO / "configs")
+    prompts = {split: [e.prompt for e in examples] for split, examples in task.items()}
+    assert len(prompts["validation"]) == cfg.data.arithmetic.validation_size >= 200
+    assert len(prompts["eval"]) == cfg.data.arithmetic.eval_size >= 200
+    assert cfg.eval.num_examples >= 200, "one held-out problem must be at most 0.5 points"
+    for split, listed in prompts.items():
+        assert len(set(listed)) == len(listed), f"{split} repeats a problem"
+    for a, b in itertools.combinations(prompts, 2):
+        assert not set(prompts[a]) & set(prompts[b]), (a, b)
+    # the answers are those of the prompts, whatever split they are in
+    assert all(int(e.answer) == sum(operands(e)) for e in task["validation"] + task["eval"])
 
 
 def test_splits_of_a_small_space_partition_it_and_refuse_more_than_they_hold():

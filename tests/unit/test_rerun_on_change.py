@@ -125,3 +125,14 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_recorded_as_resu
     assert entry["resume_from"] == 5 and list(entry["skipped_checkpoints"]) == ["step-000010"], entry
     assert any("step-000010 is unusable (checksum mismatch in model.pt)" in line for line in said), said
     assert sorted(entry["checkpoints"]) == ["step-000005", "step-000010"]
+
+
+def test_the_eval_batch_size_reruns_stages_only_where_answers_are_sampled(workspace):
+    """Greedy answers do not depend on how they are batched; sampled ones (mean@k) draw their
+    tokens batch by batch, so their accuracy is another measurement."""
+    root, run = workspace
+    assert rerun(root, "eval.samples=0") == ALL
+    assert rerun(root, "eval.samples=0", "eval.batch_size=7") == []
+    assert rerun(root, "eval.batch_size=7") == ALL
+    assert "held-out set" in reasons(run)["stage1_sft"]
+    assert rerun(root) == ALL  # the config the other tests start from
