@@ -1,5 +1,6 @@
 """Job state from Slurm: squeue for queued/running jobs, `sacct -c` (the job-completion log) for
-finished ones. Missing tools or jobs give no entry, never an error: status must always print."""
+finished ones, scontrol and sinfo for a running job's nodes. Missing tools or jobs give no entry,
+never an error: status must always print."""
 
 from __future__ import annotations
 
@@ -53,3 +54,41 @@ def job_states(job_ids: list[str], slurm_conf: str | None = None) -> dict[str, t
             if len(row) == 3 and row[0] in finished:
                 states[row[0]] = (row[1], row[2])  # the last record wins: a requeued job has several
     return states
+
+
+def job_fields(job_id: str, slurm_conf: str | None = None) -> dict[str, str]:
+    """`scontrol -o show job`'s Key=Value fields of a job Slurm still knows; {} otherwise. A value
+    with spaces (Command's arguments, a Reason) is cut at the first: none read here has one."""
+    rows = _query(["scontrol", "-o", "show", "job", job_id], slurm_conf)
+    line = "|".join(rows[0]) if rows else ""
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+def hostnames(nodelist: str, slurm_conf: str | None = None) -> list[str]:
+    return [row[0] for row in _query(["scontrol", "show", "hostnames", nodelist], slurm_conf)]
+
+
+def lost_batch_host(job_id: str, slurm_conf: str | None = None) -> dict[str, str]:
+    """{batch host: why it is lost} for a RUNNING job whose batch host, the node running its batch
+    script (the stage driver), Slurm set DOWN or removed from the job; {} otherwise. With --no-kill
+    (launch.sbatch) Slurm keeps such a job running on its other nodes until its time limit, and no
+    driver is left to record the failure. A node only not responding ("*") may answer again: it
+    counts once Slurm gives up on it (SlurmdTimeout) and sets it DOWN."""
+    job = job_fields(job_id, slurm_conf)
+    host, nodes = job.get("BatchHost"), job.get("NodeList", "")
+    if job.get("JobState") != "RUNNING" or not host:
+        return {}
+    members = hostnames(nodes, slurm_conf)
+    if not members:
+        return {}  # scontrol cannot tell: no ground to fail a running job on
+    state = node_state(host, slurm_conf)
+    if host not in members:
+        # It may be up again by now: Slurm dropped it from the job when it set it DOWN.
+        return {host: f"{state}, no longer among the job's nodes {nodes}"}
+    return {host: state} if state.rstrip("*").split("+")[0].lower() == "down" else {}
+
+
+def node_state(node: str, slurm_conf: str | None = None) -> str:
+    """sinfo's state of the node (e.g. "down*"), or "unknown to sinfo"."""
+    rows = _query(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], slurm_conf)
+    return rows[0][0] if rows else "unknown to sinfo"

@@ -293,11 +293,13 @@ def cmd_resume(args) -> int:
     from core.cluster import load_profile
     from core.config import load_resolved
     from core.rundir import RunDir
+    from pipeline.status import fail_orphaned_stages
     from pipeline.submit import submit
 
     run = RunDir(Path(args.run_dir))
     cfg = load_resolved(run)
     if args.cluster:
+        fail_orphaned_stages(run.root)  # else its job, still RUNNING, would run beside the resubmitted one
         profile = load_profile(args.cluster)
         submit(cfg, run, run.root, profile, job_nodes(args.nodes, cfg, profile), dry_run=False)
         return 0
@@ -367,10 +369,11 @@ def cmd_plan(args) -> int:
 
 def cmd_status(args) -> int:
     from core.config import ConfigError
-    from pipeline.status import stage_rows
+    from pipeline.status import fail_orphaned_stages, stage_rows
 
     if not (Path(args.run_dir) / "manifest.json").exists():
         raise ConfigError(args.run_dir, "not a run directory (no manifest.json)")
+    fail_orphaned_stages(Path(args.run_dir))
     for row in stage_rows(Path(args.run_dir)):
         print(row)
     return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from core.manifest import Manifest
 from core.rundir import RunDir
-from launch.slurm_jobs import ENDED_BADLY, job_states, recorded_conf
+from launch.slurm_jobs import ENDED_BADLY, job_states, lost_batch_host, recorded_conf, slurm_env
+from runtime.rank_failure import lost_nodes_summary
 
 
 def last_step(metrics: Path) -> int | None:
@@ -38,6 +40,36 @@ def stage_rows(run_dir: Path) -> list[str]:
     return (
         rows + [f"{sid}: {_summary(error)}" for sid, error in failed] + never_running(run_dir, stages, slurm)
     )
+
+
+def fail_orphaned_stages(run_dir: Path, echo=print) -> list[str]:
+    """Fail each stage whose running job lost its batch host (launch.slurm_jobs.lost_batch_host):
+    its driver, which would record the failure, is gone, and the job would hold its surviving nodes
+    and its dependants until the time limit. Cancels the job; returns the stages failed."""
+    manifest = Manifest(run_dir)
+    stages = manifest.data["stages"]
+    conf = recorded_conf(stages)
+    failed = []
+    for sid, entry in stages.items():
+        if entry["state"] not in ("pending", "running") or not entry.get("job_id"):
+            continue  # no job of its own in Slurm that could be orphaned
+        lost = lost_batch_host(entry["job_id"], conf)
+        if lost:
+            manifest.fail(sid, orphan_error(entry["job_id"], lost, conf))
+            echo(f"{sid}: failed: {manifest.stage(sid)['error']['summary']}")
+            failed.append(sid)
+    return failed
+
+
+def orphan_error(job: str, lost: dict[str, str], conf: str | None) -> dict:
+    """Cancels the job (freeing its nodes; Slurm then ends its afterok dependants as for any failed
+    job) and returns the stage's error, saying whether the cancel went through."""
+    out = subprocess.run(["scancel", job], capture_output=True, text=True, env=slurm_env(conf))
+    cancelled = "cancelled" if out.returncode == 0 else f"scancel failed: {out.stderr.strip()}"
+    summary = (
+        f"{lost_nodes_summary(lost)}; it ran job {job}'s batch script (the stage driver); job {cancelled}"
+    )
+    return {"summary": summary, "lost_nodes": lost, "job_id": job, "exit_code": None, "rank": None}
 
 
 def never_running(run_dir: Path, stages: dict, slurm: dict) -> list[str]:

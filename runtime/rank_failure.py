@@ -110,9 +110,13 @@ def stage_error(log_dir: Path, exit_code: int) -> dict:
     lost_path = log_dir / LOST_NODES
     if lost_path.is_file():
         lost = json.loads(lost_path.read_text())
-        nodes = ", ".join(f"{node} ({state})" for node, state in lost.items())
-        error.update(summary=f"node(s) lost: {nodes}; {error['summary']}", lost_nodes=lost)
+        error.update(summary=f"{lost_nodes_summary(lost)}; {error['summary']}", lost_nodes=lost)
     return error
+
+
+def lost_nodes_summary(lost: dict[str, str]) -> str:
+    """`hpcr1 status`'s words for {node: Slurm's state}: "node(s) lost: mnode2 (down*)"."""
+    return "node(s) lost: " + ", ".join(f"{node} ({state})" for node, state in lost.items())
 
 
 def _rank_error(log_dir: Path, exit_code: int) -> dict:

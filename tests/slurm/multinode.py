@@ -40,11 +40,18 @@ def workers_on(node: int) -> list[int]:
     pids = []
     for pid in out.stdout.split():
         try:
-            if b"launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if is_rank(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")):
                 pids.append(int(pid))
         except OSError:  # it ended meanwhile
             pass
     return pids
+
+
+def is_rank(argv: list[str]) -> bool:
+    """`python [-u] -m launch.worker ...`; not the srun (or launch.torchrun) that started it, whose
+    arguments name launch.worker too: a cut-off batch host keeps its srun until it is back."""
+    first_module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
+    return "python" in Path(argv[0]).name and first_module == "launch.worker"
 
 
 def cut_link(node: int) -> None:

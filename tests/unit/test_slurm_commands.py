@@ -18,11 +18,14 @@ from tests.conftest import REPO, SMALL_RUN
 
 TWO_STAGES = {**SMALL_RUN, "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"}}
 LOCAL_CONF = "/var/tmp/hpcr1-slurm/etc/slurm.conf"
-# Each fake client logs "name SLURM_CONF args..." and prints what the test put in <name>.out.
+# Each fake client logs "name SLURM_CONF args..." and prints what the test put in <name>.out
+# (scontrol: in scontrol-job-ID.out or scontrol-hostnames-LIST.out).
 FAKE = """#!/bin/bash
 echo "$(basename "$0") ${SLURM_CONF:-unset} $*" >> "$FAKE_SLURM/calls"
 if [ "$(basename "$0")" = sbatch ]; then
   n=$(( $(cat "$FAKE_SLURM/next" 2>/dev/null || echo 100) + 1 )); echo "$n" > "$FAKE_SLURM/next"; echo "$n"
+elif [ "$(basename "$0")" = scontrol ]; then
+  cat "$FAKE_SLURM/scontrol-${*: -2:1}-${*: -1}.out" 2>/dev/null || true  # show job ID, show hostnames LIST
 else
   cat "$FAKE_SLURM/$(basename "$0").out" 2>/dev/null || true
 fi
@@ -42,7 +45,7 @@ def fake_slurm(tmp_path, monkeypatch, capsys):
     second interpreter to import torch), with the fakes first on PATH and no SLURM_CONF exported."""
     bin_dir = tmp_path / "fake-slurm"
     bin_dir.mkdir()
-    for name in ("sbatch", "squeue", "sacct", "scancel"):
+    for name in ("sbatch", "squeue", "sacct", "scancel", "scontrol", "sinfo"):
         (bin_dir / name).write_text(FAKE)
         (bin_dir / name).chmod(0o755)
     monkeypatch.delenv("SLURM_CONF", raising=False)
@@ -84,9 +87,8 @@ def test_the_profiles_slurm_conf_reaches_every_slurm_call(fake_slurm, tmp_path):
     assert [call[0] for call in calls(bin_dir, "sbatch")] == [LOCAL_CONF, LOCAL_CONF]
     hpcr1("status", str(tmp_path / "run"))
     hpcr1("cancel", str(tmp_path / "run"))
-    assert {call[0] for name in ("squeue", "sacct", "scancel") for call in calls(bin_dir, name)} == {
-        LOCAL_CONF
-    }
+    names = ("squeue", "sacct", "scancel", "scontrol")
+    assert {call[0] for name in names for call in calls(bin_dir, name)} == {LOCAL_CONF}
 
 
 def test_submit_takes_only_and_from(fake_slurm, tmp_path):
@@ -127,3 +129,52 @@ def test_status_says_a_dependant_of_a_failed_stage_will_not_run_and_resume_resub
     # The new jobs are queued: stage 1's "failed" from its last attempt no longer dooms stage 3.
     (bin_dir / "squeue.out").write_text(f"{resubmitted}|PENDING|0:00|None\n")
     assert "will not run" not in hpcr1("status", str(run)).stdout
+
+
+def orphan(bin_dir: Path, job: str, nodes: str, batch_host_state: str) -> None:
+    """Slurm's view of a RUNNING 2-node job whose batch host is mnode1, its nodes now `nodes`."""
+    (bin_dir / f"scontrol-job-{job}.out").write_text(
+        f"JobId={job} JobName=hpcr1-stage1_sft UserId=root(0) JobState=RUNNING Reason=None "
+        f"NumNodes=2 NodeList={nodes} BatchHost=mnode1 Command=/x/stage1_sft.sbatch\n"
+    )
+    (bin_dir / f"scontrol-hostnames-{nodes}.out").write_text(nodes.replace(",", "\n") + "\n")
+    (bin_dir / "sinfo.out").write_text(f"{batch_host_state}\n")
+
+
+def running(run: Path, stage: str = "stage1_sft") -> str:
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["stages"][stage]["state"] = "running"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    return manifest["stages"][stage]["job_id"]
+
+
+@pytest.mark.parametrize(
+    "nodes, state, why",
+    [
+        ("mnode2", "idle", "idle, no longer among the job's nodes mnode2"),  # dropped by Slurm, back up since
+        ("mnode1,mnode2", "down*", "down*"),
+    ],
+)
+def test_status_fails_a_stage_whose_batch_host_was_lost_and_cancels_its_job(
+    fake_slurm, tmp_path, nodes, state, why
+):
+    bin_dir, hpcr1 = fake_slurm
+    assert submit(hpcr1, tmp_path).returncode == 0
+    run = tmp_path / "run"
+    job = running(run)
+    orphan(bin_dir, job, nodes, state)
+    status = hpcr1("status", str(run)).stdout
+    assert f"node(s) lost: mnode1 ({why}); it ran job {job}'s batch script" in status, status
+    entry = json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert entry["state"] == "failed" and entry["error"]["lost_nodes"] == {"mnode1": why}, entry
+    assert [call[1:] for call in calls(bin_dir, "scancel")] == [[job]]
+
+
+def test_status_leaves_a_job_whose_batch_host_only_stopped_answering(fake_slurm, tmp_path):
+    bin_dir, hpcr1 = fake_slurm
+    assert submit(hpcr1, tmp_path).returncode == 0
+    run = tmp_path / "run"
+    orphan(bin_dir, running(run), "mnode1,mnode2", "mixed*")  # may answer again before SlurmdTimeout
+    assert "lost" not in hpcr1("status", str(run)).stdout
+    assert json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["state"] == "running"
+    assert not calls(bin_dir, "scancel")
