@@ -65,14 +65,17 @@ JobCompType=jobcomp/filetxt
 JobCompLoc=$dir/log/jobcomp.txt
 JobAcctGatherType=jobacct_gather/none
 DependencyParameters=kill_invalid_depend
+SlurmdParameters=config_overrides
 MinJobAge=3600
 ReturnToService=2
 SchedulerParameters=defer=false,sched_interval=5
 CONF
-  # Every node may use every core (they are the machine's); memory is not enforced, 1 GiB avoids
-  # a drain for "low RealMemory".
+  # Every node may use every core (they are the machine's), twice over: a one-node job (a test's
+  # reference run) then runs beside a job across all nodes instead of waiting for its cores, as it
+  # would on separate machines. config_overrides keeps slurmd from draining a node for having more
+  # CPUs configured than it finds. Memory is not enforced; 1 GiB avoids a drain for "low RealMemory".
   for ((k = 1; k <= nodes; k++)); do
-    echo "NodeName=$(node_name "$k") NodeAddr=$(node_addr "$k") CPUs=$(nproc) RealMemory=1024 State=UNKNOWN"
+    echo "NodeName=$(node_name "$k") NodeAddr=$(node_addr "$k") CPUs=$((2 * $(nproc))) RealMemory=1024 State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=$list Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES"
 }

@@ -34,13 +34,15 @@ def stop_multinode() -> None:
 MN_DIR = Path("/var/tmp/hpcr1-slurm-multinode")
 
 
-def workers_on(node: int) -> list[int]:
-    """The pids of the stage ranks (launch.worker) running on node `node` (its network namespace)."""
+def workers_on(node: int, run: Path | None = None) -> list[int]:
+    """The pids of the stage ranks (launch.worker) running on node `node` (its network namespace);
+    only those of run directory `run` where given: another run's ranks may share the node."""
     out = subprocess.run(["ip", "netns", "pids", f"hpcr1-mnode{node}"], capture_output=True, text=True)
     pids = []
     for pid in out.stdout.split():
         try:
-            if is_rank(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if is_rank(argv) and (run is None or run.resolve() in {Path(a).resolve() for a in argv[1:] if a}):
                 pids.append(int(pid))
         except OSError:  # it ended meanwhile
             pass

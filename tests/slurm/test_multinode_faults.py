@@ -1,10 +1,11 @@
-"""Faults of a node in the middle of a 2-node stage, on the multi-node local cluster, each with
-nothing lost. Node 2's link cut (its veth down: its rank lives on, unreachable) or its slurmd killed:
-every rank of the stage exits within FAULT_BOUND_S (Slurm's SlurmdTimeout ends the srun step, the
-profile's collective_timeout_s the rank cut off behind the dead link), the stage is marked failed
-with the node named in `hpcr1 status`, and once the node is back `hpcr1 resume` finishes the stage
-from its last checkpoint, with final weights byte-identical to an uninterrupted run. A preemption
-(USR1, then the requeue) of the 2-node stage resumes the same way."""
+"""Faults of a node in the middle of a 2-node stage, on the multi-node local cluster, with nothing
+lost. A node's link cut (its veth down: its processes live on, unreachable), node 1's included (it
+runs the batch script, the stage driver), or node 2's slurmd killed: every rank of the stage exits
+within FAULT_BOUND_S (Slurm's SlurmdTimeout ends the srun step, the profile's collective_timeout_s
+the rank cut off behind the dead link), the stage is marked failed with the node named in `hpcr1
+status`, and once the node is back `hpcr1 resume` resumes the stage from its last checkpoint. A
+preemption (USR1, then the requeue) resumes the same way. One stage suffers them all in turn and
+ends with final weights byte-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from tests.slurm.test_multinode_pipeline import one_node_profile, weight_differe
 from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-# ~11 steps a second at most: after the fault at step ~30 the stage must outlast its detection (a
-# killed slurmd leaves the ranks training until Slurm sets the node DOWN, ~20 s) by a margin.
+CHECKPOINT_EVERY = 25
+# ~11 steps a second at most: after the last fault (SCENARIO, at step 180) the stage must outlast its
+# detection (a killed slurmd leaves the ranks training until Slurm sets the node DOWN, ~20 s) by a margin.
 FAULTS = {
     **SMALL_RUN,
     "name": "faults",
-    "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 320, "checkpoint_every": 25},
+    "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 440, "checkpoint_every": CHECKPOINT_EVERY},
 }
-FAULT_AT_STEP = 30  # after the step-25 checkpoint
 # The node DOWN (~20 s: start-multinode.sh), or the collective timeout (20 s), and slack for
 # two loaded shared cores. Before the fix: the cut-off rank waited 30 minutes in gloo.
 FAULT_BOUND_S = 60
@@ -60,6 +61,11 @@ def submit(env, tmp: Path, config: dict, cluster: str = "local-multinode") -> Pa
     return run
 
 
+def running(run: Path, attempt: int) -> bool:
+    entry = manifest(run)["stage1_sft"]
+    return entry["attempts"] == attempt and entry["state"] == "running"
+
+
 def steps_done(run: Path) -> int:
     metrics = run / "stage1_sft" / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -83,70 +89,98 @@ def resumed_from(run: Path) -> list[int]:
 
 
 def fault_story(env, run: Path) -> str:
-    return f"ranks: node 1 {workers_on(1)}, node 2 {workers_on(2)}\n" + job_story(env, run, "stage1_sft")
+    return f"ranks: node 1 {workers_on(1, run)}, node 2 {workers_on(2, run)}\n" + job_story(
+        env, run, "stage1_sft"
+    )
 
 
-def failed_in_status(env, run: Path) -> bool:
+def failed_in_status(env, run: Path, attempt: int) -> bool:
     """The stage shows failed to `hpcr1 status`, which is also what fails a job orphaned by its lost
     batch host: no driver is left to record it."""
     hpcr1(env, "status", str(run))
-    return ended(run)
+    return ended(run, attempt)
 
 
-@pytest.mark.parametrize(
-    "fault, node",
-    [
-        pytest.param(cut_link, 2, id="link_cut"),
-        pytest.param(kill_slurmd, 2, id="slurmd_killed"),
-        # The first node runs the batch script, the stage driver: nothing is left to record the failure.
-        pytest.param(cut_link, 1, id="batch_host_link_cut"),
-    ],
-)
-def test_a_lost_node_fails_the_stage_in_bounded_time_and_resume_finishes_it(
-    fault, node, env, reference, tmp_path
-):
-    run = submit(env, tmp_path, FAULTS)
-    if node == 1:
-        wait_for(lambda: reference.exists(), "the uninterrupted run (on node 1)", timeout=300)
-    wait_for(lambda: steps_done(run) >= FAULT_AT_STEP, "training to pass step 30", timeout=300)
-    faulted = time.monotonic()
-    fault(node)
-    try:
-        explain = functools.partial(fault_story, env, run)
-        wait_for(
-            lambda: not workers_on(1) and not workers_on(2), "every rank to exit", FAULT_BOUND_S, explain
-        )
-        ranks_gone = time.monotonic() - faulted
-        wait_for(lambda: failed_in_status(env, run), "the stage to fail", FAULT_BOUND_S - ranks_gone, explain)
-        print(
-            f"{fault.__name__}({node}): every rank gone {ranks_gone:.1f} s and the stage failed "
-            f"{time.monotonic() - faulted:.1f} s after the fault"
-        )
-        entry = manifest(run)["stage1_sft"]
-        assert entry["state"] == "failed" and f"mnode{node}" in entry["error"]["lost_nodes"], entry
-        status = hpcr1(env, "status", str(run)).stdout
-        assert "failed" in status and f"node(s) lost: mnode{node}" in status, status
-    finally:
-        bring_back(node)
-    hpcr1(env, "resume", str(run), "--cluster", "local-multinode")
-    wait_for(lambda: ended(run, 2), "the resumed stage", explain=lambda: job_story(env, run, "stage1_sft"))
-    entry = manifest(run)["stage1_sft"]
-    assert entry["state"] == "done" and entry["attempts"] == 2, job_story(env, run, "stage1_sft")
-    assert resumed_from(run) and resumed_from(run)[0] >= 25
-    same_weights(env, run, reference)
+def lose_node(fault, node: int):
+    """A fault that loses node `node` mid-stage: every rank exits and the stage fails, naming the
+    node, each within FAULT_BOUND_S; then the node comes back and `hpcr1 resume` resubmits."""
+
+    def happen(env, run: Path, attempt: int) -> None:
+        faulted = time.monotonic()
+        fault(node)
+        try:
+            explain = functools.partial(fault_story, env, run)
+            wait_for(
+                lambda: not workers_on(1, run) and not workers_on(2, run),
+                "every rank to exit",
+                FAULT_BOUND_S,
+                explain,
+            )
+            ranks_gone = time.monotonic() - faulted
+            wait_for(
+                lambda: failed_in_status(env, run, attempt),
+                "the stage to fail",
+                FAULT_BOUND_S - ranks_gone,
+                explain,
+            )
+            print(
+                f"{fault.__name__}({node}): every rank gone {ranks_gone:.1f} s and the stage failed "
+                f"{time.monotonic() - faulted:.1f} s after the fault"
+            )
+            entry = manifest(run)["stage1_sft"]
+            assert entry["state"] == "failed" and f"mnode{node}" in entry["error"]["lost_nodes"], entry
+            status = hpcr1(env, "status", str(run)).stdout
+            assert "failed" in status and f"node(s) lost: mnode{node}" in status, status
+        finally:
+            bring_back(node)
+        hpcr1(env, "resume", str(run), "--cluster", "local-multinode")
+
+    happen.__name__, happen.node = f"{fault.__name__}({node})", node
+    return happen
 
 
-def test_a_preempted_two_node_stage_requeues_and_resumes(env, reference, tmp_path):
-    run = submit(env, tmp_path, FAULTS)
+def preempt(env, run: Path, attempt: int) -> None:
+    """USR1 to the batch script, as Slurm sends before the time limit: the stage requeues itself."""
     job = manifest(run)["stage1_sft"]["job_id"]
-    wait_for(lambda: steps_done(run) >= FAULT_AT_STEP, "training to pass step 30", timeout=300)
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+
+
+# (step, fault): each fault once the current attempt has trained past `step`, the step after a
+# checkpoint. Node 1 runs the batch script (the stage driver): losing it leaves nothing to record
+# the failure. The killed slurmd comes last: its ranks train on until Slurm sets the node DOWN.
+SCENARIO = [
+    (30, lose_node(cut_link, 2)),
+    (80, preempt),
+    (130, lose_node(cut_link, 1)),
+    (180, lose_node(kill_slurmd, 2)),
+]
+
+
+def test_every_fault_in_turn_and_the_stage_still_ends_byte_identical(env, reference, tmp_path):
+    """One stage suffers every fault in turn, resuming from its last checkpoint after each: one
+    submission and one uninterrupted run to compare with, instead of one of each a fault."""
+    run = submit(env, tmp_path, FAULTS)
+    for attempt, (step, fault) in enumerate(SCENARIO, start=1):
+        wait_for(
+            lambda: running(run, attempt) and steps_done(run) >= step,
+            f"attempt {attempt} to pass step {step} (before {fault.__name__})",
+            timeout=300,
+            explain=lambda: job_story(env, run, "stage1_sft"),
+        )
+        if getattr(fault, "node", None) == 1:  # the uninterrupted run is there
+            wait_for(reference.exists, "the uninterrupted run (on node 1)", timeout=300)
+        fault(env, run, attempt)
     wait_for(
-        lambda: ended(run, 2),
-        "the requeued job to end",
+        lambda: ended(run, len(SCENARIO) + 1),
+        "the last attempt",
         explain=lambda: job_story(env, run, "stage1_sft"),
     )
     entry = manifest(run)["stage1_sft"]
-    assert entry["state"] == "done" and entry["preempted"] == 1, job_story(env, run, "stage1_sft")
-    assert resumed_from(run) and resumed_from(run)[0] >= FAULT_AT_STEP
+    assert entry["state"] == "done" and entry["attempts"] == len(SCENARIO) + 1, job_story(
+        env, run, "stage1_sft"
+    )
+    assert entry["preempted"] == 1, entry
+    checkpoints = [step - step % CHECKPOINT_EVERY for step, _ in SCENARIO]
+    resumed = resumed_from(run)
+    assert len(resumed) == len(SCENARIO) and all(r >= c for r, c in zip(resumed, checkpoints)), resumed
     same_weights(env, run, reference)
