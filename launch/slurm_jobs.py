@@ -85,7 +85,13 @@ def lost_batch_host(job_id: str, slurm_conf: str | None = None) -> dict[str, str
     if host not in members:
         # It may be up again by now: Slurm dropped it from the job when it set it DOWN.
         return {host: f"{state}, no longer among the job's nodes {nodes}"}
-    return {host: state} if state.rstrip("*").split("+")[0].lower() == "down" else {}
+    return {host: state} if base_state(state) == "down" else {}
+
+
+def base_state(state: str) -> str:
+    """A node's sinfo state (%T) without its flags, lower case: "down*" (not responding) gives
+    "down", and anything joined after a "+" is dropped."""
+    return state.rstrip("*").split("+")[0].lower()
 
 
 def node_state(node: str, slurm_conf: str | None = None) -> str:

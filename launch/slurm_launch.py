@@ -14,6 +14,7 @@ from pathlib import Path
 from core.atomic import atomic_write_text
 from core.rundir import RunDir
 from launch.local import repo_env, run_forwarding_usr1
+from launch.slurm_jobs import base_state
 from runtime.rank_failure import LOST_NODES, TORCHRUN_FAILURES
 
 
@@ -85,11 +86,7 @@ def lost_nodes(nodelist: str) -> dict[str, str]:
         ["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N|%T"], capture_output=True, text=True, check=False
     )
     rows = (line.split("|") for line in out.stdout.splitlines() if line.count("|") == 1)
-    return {
-        node: state
-        for node, state in rows
-        if state.endswith("*") or state.rstrip("*").split("+")[0].lower() in LOST_STATES
-    }
+    return {node: state for node, state in rows if state.endswith("*") or base_state(state) in LOST_STATES}
 
 
 def requeue_self() -> None:
