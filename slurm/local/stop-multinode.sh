@@ -8,25 +8,26 @@ dir=${HPCR1_MN_DIR:-/var/tmp/hpcr1-slurm-multinode}
 # shellcheck source=slurm/local/multinode-net.sh
 . "$here/multinode-net.sh"
 
-# TERM to every pid at once, then wait (each daemon takes ~2 s to exit: one after the other, the
-# four took 8 s); what is still there after 5 s is killed.
-stop_pids() {
-  local pid
-  kill "$@" 2>/dev/null
-  for _ in $(seq 50); do
-    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && break; done
-    kill -0 "$pid" 2>/dev/null || return 0
-    sleep 0.1
-  done
-  kill -9 "$@" 2>/dev/null || true
-}
-# The pids of these pid files (the live ones), which are then removed.
-take_pids() {
-  local f
+# TERM to the live daemons of these pid files at once, then wait (each takes ~2 s to exit: one after
+# the other, the four took 8 s); what is still there after 5 s is killed. The pid files are removed.
+stop_pidfiles() {
+  local f pids=()
   for f in "$@"; do
-    [ -s "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && cat "$f"
+    [ -s "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && pids+=("$(cat "$f")")
     rm -f "$f"
   done
+  ((${#pids[@]})) || return 0
+  kill "${pids[@]}" 2>/dev/null
+  for _ in $(seq 50); do
+    any_alive "${pids[@]}" || return 0
+    sleep 0.1
+  done
+  kill -9 "${pids[@]}" 2>/dev/null || true
+}
+any_alive() {
+  local pid
+  for pid in "$@"; do kill -0 "$pid" 2>/dev/null && return 0; done
+  return 1
 }
 
 # Jobs still queued or running would be recovered by the next start as running, holding the nodes
@@ -39,8 +40,7 @@ if [ -s "$dir/run/slurmctld.pid" ] && kill -0 "$(cat "$dir/run/slurmctld.pid")" 
     for _ in $(seq 50); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.1; done
   fi
 fi
-mapfile -t daemons < <(take_pids "$dir"/run/slurmd-*.pid "$dir/run/slurmctld.pid")
-((${#daemons[@]})) && stop_pids "${daemons[@]}"
+stop_pidfiles "$dir"/run/slurmd-*.pid "$dir/run/slurmctld.pid"
 # A job's processes (ranks, stepds) outlive their slurmd; all in these namespaces are the cluster's.
 for ((k = 1; k <= MAX_NODES; k++)); do
   ns=$(netns_name "$k")
@@ -48,8 +48,7 @@ for ((k = 1; k <= MAX_NODES; k++)); do
   for pid in $(ip netns pids "$ns"); do kill -9 "$pid" 2>/dev/null || true; done
 done
 if [ -e "$dir/run/munged.ours" ]; then
-  mapfile -t daemons < <(take_pids "$dir/munge/munged.pid")
-  ((${#daemons[@]})) && stop_pids "${daemons[@]}"
+  stop_pidfiles "$dir/munge/munged.pid"
   rm -f "$dir/run/munged.ours"
 fi
 net_down
