@@ -29,7 +29,7 @@ from core.rundir import RunDir  # noqa: E402
 from stages.data.arithmetic import chain_of_thought  # noqa: E402
 from stages.data.examples import Example, read_examples  # noqa: E402
 from stages.data.tokenizer import encode_prompt, load_tokenizer  # noqa: E402
-from stages.generation import generate_responses  # noqa: E402
+from stages.generation import generate_in_batches  # noqa: E402
 
 STAGES = ("stage1_sft", "stage2_grpo", "stage3_sft", "stage4_grpo")
 R1_ANSWER = re.compile(r"<think>(.*?)</think><answer>(.*?)</answer>", re.S)
@@ -79,10 +79,8 @@ def stage_report(
 
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    responses = []
-    for i in range(0, len(examples), BATCH):
-        prompts = [ex.prompt for ex in examples[i : i + BATCH]]
-        responses += generate_responses(model, tokenizer, prompts, MAX_NEW_TOKENS, 0.0)
+    prompts = [ex.prompt for ex in examples]
+    responses = generate_in_batches(model, tokenizer, prompts, MAX_NEW_TOKENS, 0.0, BATCH)
     kinds, probabilities = collections.Counter(), []
     for example, response in zip(examples, responses, strict=True):
         kind, cut = kind_of(example, response)

@@ -18,7 +18,7 @@ from core.config import EvalConfig
 from runtime.dist import rank_device
 from stages.data.examples import Example
 from stages.data.tokenizer import load_tokenizer
-from stages.generation import generate_responses
+from stages.generation import generate_in_batches
 from stages.rewards.math_reward import score
 
 
@@ -52,14 +52,11 @@ def evaluate(model, tokenizer, examples: list[Example], settings: EvalConfig, se
 
 
 def _generate_and_tally(model, tokenizer, rows: list[Example], settings: EvalConfig, temperature: float):
-    counts = [0, 0, 0]
-    for i in range(0, len(rows), settings.batch_size):
-        chunk = rows[i : i + settings.batch_size]
-        responses = generate_responses(
-            model, tokenizer, [ex.prompt for ex in chunk], settings.max_new_tokens, temperature
-        )
-        counts = [a + b for a, b in zip(counts, tally(chunk, responses), strict=True)]
-    return torch.tensor(counts, dtype=torch.float64, device=next(model.parameters()).device)
+    prompts = [ex.prompt for ex in rows]
+    responses = generate_in_batches(
+        model, tokenizer, prompts, settings.max_new_tokens, temperature, settings.batch_size
+    )
+    return torch.tensor(tally(rows, responses), dtype=torch.float64, device=next(model.parameters()).device)
 
 
 def tally(examples: list[Example], responses: list[str]) -> list[int]:

@@ -351,3 +351,15 @@ def generate_responses(
         model, tokenizer, [encode_prompt(tokenizer, p) for p in prompts], max_new_tokens, temperature, top_p
     )
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+
+
+def generate_in_batches(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float, batch_size: int
+) -> list[str]:
+    """`generate_responses` over `prompts` a batch at a time: the memory of one batch's cache."""
+    responses = []
+    for i in range(0, len(prompts), batch_size):
+        responses += generate_responses(
+            model, tokenizer, prompts[i : i + batch_size], max_new_tokens, temperature
+        )
+    return responses
