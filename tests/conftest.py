@@ -14,6 +14,44 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Modules that share one service and must run in one xdist worker, one after the other: the
+# multi-node cluster is a session fixture that one module's test stops and the others restart.
+SHARED_SERVICE_GROUPS = {"tests/slurm/test_multinode_": "multinode-slurm"}
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: the test's module, where its module-scoped fixtures are
+    built once, or the group of modules sharing its service."""
+    module = nodeid.split("::", 1)[0]
+    return next((g for prefix, g in SHARED_SERVICE_GROUPS.items() if module.startswith(prefix)), module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadscope` (make test) hands out work units as `work_unit` names them. (pytest 9
+    ignores the node ids that `--dist loadgroup` rewrites, so xdist_group marks group nothing.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The work units holding Slurm tests, then those holding slow tests, first: workers take the
+    units in collection order (`--no-loadscope-reorder`), and the longest must not start last."""
+    tier: dict[str, int] = {}
+    for item in items:
+        unit = work_unit(item.nodeid)
+        mine = 0 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("slow") else 2
+        tier[unit] = min(tier.get(unit, mine), mine)
+    items.sort(key=lambda item: tier[work_unit(item.nodeid)])  # stable: a module keeps its order
+
+
 # A run small enough for tests: 20 SFT steps of the tiny model on 512 arithmetic examples.
 SMALL_RUN = {
     "name": "small",

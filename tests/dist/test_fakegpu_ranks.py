@@ -77,7 +77,10 @@ def test_deepspeed_zero1_step_equals_torch_adamw_on_both_ranks(found):
 
 def test_megatron_through_the_cpu_shim_runs_on_the_device_and_tp2_equals_tp1(found):
     tp1, tp2 = found["megatron_tp1"], found["megatron_tp2"]
-    assert [r["loss"] for r in tp1 + tp2] == [tp1[0]["loss"]] * 4
+    # Each size's ranks agree exactly; the sizes only to fp32 rounding: TP=2 sums a row-parallel
+    # product in two halves, which some CPUs' kernels round differently (AVX-512 Xeon: 1 ulp).
+    assert tp1[0]["loss"] == tp1[1]["loss"] and tp2[0]["loss"] == tp2[1]["loss"]
+    assert tp2[0]["loss"] == pytest.approx(tp1[0]["loss"], rel=1e-6, abs=0)
     assert [r["grad_device"] for r in tp2] == ["fakegpu:0", "fakegpu:1"]
     for rank, r in enumerate(tp2):  # token ids left on the CPU are refused at the embedding
         assert r["cpu_ids"].startswith(

@@ -83,22 +83,25 @@ def ray_head():
         stderr=subprocess.STDOUT,
     )
     address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while (
-        subprocess.run(
-            [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address], capture_output=True
-        ).returncode
-        != 0
-    ):
-        assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
-            -3000:
-        ]
-        time.sleep(1)
-    yield address
-    os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
-    proc.wait(timeout=60)
-    log.close()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        deadline = time.monotonic() + 180
+        while (
+            subprocess.run(
+                [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address],
+                capture_output=True,
+            ).returncode
+            != 0
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
+                -3000:
+            ]
+            time.sleep(1)
+        yield address
+    finally:  # stopped even when it never came up: a head left running holds its ports
+        os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
+        proc.wait(timeout=60)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow
