@@ -42,8 +42,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The work units holding Slurm tests, then those holding slow tests, first: workers take the
-    units in collection order (`--no-loadscope-reorder`), and the longest must not start last."""
+    """In xdist workers, the work units holding Slurm tests, then those holding slow tests, first:
+    workers take the units in collection order (`--no-loadscope-reorder`), and the longest must not
+    start last. One process keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
     tier: dict[str, int] = {}
     for item in items:
         unit = work_unit(item.nodeid)
