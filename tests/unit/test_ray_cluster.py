@@ -3,6 +3,7 @@ the node join, and when nodes are missing it fails at its deadline saying how ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -98,7 +99,8 @@ def ray_head():
             time.sleep(1)
         yield address
     finally:  # stopped even when it never came up: a head left running holds its ports
-        os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
+        with contextlib.suppress(ProcessLookupError):  # a head that died must not hide its log
+            os.killpg(proc.pid, signal.SIGTERM)  # the head's session: its raylet, GCS and workers
         proc.wait(timeout=60)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
