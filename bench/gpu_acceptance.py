@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -221,6 +222,8 @@ class local_ray_head:
     def __init__(self, args):
         self.args, self.env = args, child_env()
         self.env["RAY_ADDRESS"] = "127.0.0.1:6379"
+        # As verl_stage.sbatch starts Ray (why, there): a token in the home changes nothing.
+        self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         self.env["HPCR1_GPUS_PER_NODE"] = str(args.gpus)
 
     def __enter__(self) -> dict[str, str]:

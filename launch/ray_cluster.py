@@ -7,8 +7,15 @@ says what is missing. Run by slurm/templates/verl_stage.sbatch:
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
+
+
+def auth_env() -> dict[str, str]:
+    """Token authentication with a fresh token, for a Ray started apart and everything that joins it,
+    as verl_stage.sbatch sets it (why, there): a token in the home then changes nothing."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
 
 def gpu_nodes(nodes: list[dict], gpus_per_node: int) -> list[str]:

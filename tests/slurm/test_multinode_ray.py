@@ -2,7 +2,8 @@
 local cluster: the Ray head on the first node and a worker on the other join into one cluster
 (`ray status` lists both), and a placement group of verl's worker-group kind (one CPU bundle a node,
 STRICT_SPREAD) runs a task on each node, each reporting its own hostname. verl's trainer needs GPUs:
-the rendered script stops where it would start the stage, with the probe in its place."""
+the rendered script stops where it would start the stage, with the probe in its place. The job runs
+under a home holding another Ray's auth token."""
 
 from __future__ import annotations
 
@@ -63,14 +64,23 @@ def test_the_verl_template_joins_ray_across_nodes_and_spreads_a_placement_group(
     probe.write_text(PROBE)
     (tmp_path / "job.sbatch").write_text(script.replace(stage_line, f"exec {sys.executable} {probe}"))
     out = tmp_path / "job.out"
-    job = subprocess.run(
-        ["sbatch", "--wait", "--job-name=ray-probe", f"--output={out}", str(tmp_path / "job.sbatch")],
-        env=multinode_env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    # A Ray started in-process leaves ~/.ray/auth_token, and every node sees the same home: with one
+    # there, the job's Ray must start and answer as without it.
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    name = f"ray-probe-{tmp_path.name}"
+    try:
+        job = subprocess.run(
+            ["sbatch", "--wait", f"--job-name={name}", f"--output={out}", str(tmp_path / "job.sbatch")],
+            env={**multinode_env, "HOME": str(home)},
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:  # a job cut off by the timeout would keep its Ray running on both nodes
+        subprocess.run(["scancel", f"--name={name}"], env=multinode_env, capture_output=True, timeout=60)
     text = out.read_text()
     assert job.returncode == 0, text[-4000:]
     assert "Ray cluster ready: 2 node(s)" in text, text[-4000:]
