@@ -30,10 +30,13 @@ def rendezvous_port(job_id: str) -> int:
     return 20000 + int(job_id) % 20000
 
 
-def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
+def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = False) -> list[str]:
+    """`overlap`: the allocation hosts Ray, whose steps hold the CPUs, memory and GPUs the ranks need;
+    --overlap shares them all with every other step (srun(1), Slurm 21.08 on; 20.11's shared CPUs only)."""
     worker = ["-m", "launch.worker", str(run_dir), stage_id]
+    srun = ["srun", "--overlap"] if overlap else ["srun"]
     if launcher == "srun":
-        return ["srun", "--kill-on-bad-exit=1", "--cpu-bind=none", sys.executable, *worker]
+        return [*srun, "--kill-on-bad-exit=1", "--cpu-bind=none", sys.executable, *worker]
     nodes = os.environ["SLURM_NNODES"]
     per_node = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
     endpoint = f"{first_host(os.environ['SLURM_JOB_NODELIST'])}:{rendezvous_port(os.environ['SLURM_JOB_ID'])}"
@@ -42,7 +45,7 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
         RunDir(run_dir).logs(stage_id) / f"{os.environ.get('SLURMD_NODENAME', 'node')}-{TORCHRUN_FAILURES}"
     )
     return [
-        "srun",
+        *srun,
         "--kill-on-bad-exit=1",
         "--ntasks-per-node=1",
         sys.executable,
@@ -58,13 +61,16 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str) -> list[str]:
     ]
 
 
-def run_stage_in_allocation(run_dir: Path, stage_id: str, pass_fds: tuple[int, ...] = ()) -> int:
-    """srun's exit code. `pass_fds`: descriptors srun inherits (the run directory's lock)."""
+def run_stage_in_allocation(
+    run_dir: Path, stage_id: str, pass_fds: tuple[int, ...] = (), overlap: bool = False
+) -> int:
+    """srun's exit code. `pass_fds`: descriptors srun inherits (the run directory's lock); `overlap`:
+    the allocation hosts Ray (srun_command)."""
     env = repo_env()
     env.setdefault("MASTER_ADDR", first_host(env["SLURM_JOB_NODELIST"]))
     env.setdefault("MASTER_PORT", str(rendezvous_port(env["SLURM_JOB_ID"])))
     # srun passes USR1 on to every task: a rank, or launch.torchrun, which passes it to its ranks.
-    command = srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun"))
+    command = srun_command(run_dir, stage_id, env.get("HPCR1_LAUNCHER", "srun"), overlap)
     rc = run_forwarding_usr1(command, env, pass_fds)
     if rc != 0:
         # A rank on a lost node writes nothing: Slurm's view of the job's nodes names it for the error.

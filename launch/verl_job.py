@@ -77,9 +77,9 @@ def run_verl_synth(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> i
 
 def run_then_eval_on_verl(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
     """A stage on our engines whose held-out answers come from verl (eval.engine 'verl'): the ranks
-    train and export final/ (their srun step shares the nodes with Ray's, which are --overlap), then
+    train and export final/ (their srun step, --overlap as Ray's are, shares the nodes with them), then
     verl's generation server answers the held-out prompts greedily."""
-    rc = run_stage_in_allocation(run_dir, sid, pass_fds)
+    rc = run_stage_in_allocation(run_dir, sid, pass_fds, overlap=True)
     if rc != 0:
         return rc
     return _verl_job(run_dir, sid, lambda cfg, run, nodes: _evaluate_on_verl(cfg, run, sid, nodes, pass_fds))

@@ -13,7 +13,8 @@ import yaml
 
 from core.cluster import load_profile
 from launch.sbatch import render_stage_script, sbatch_command
-from launch.slurm_launch import srun_command
+from launch.slurm_launch import run_stage_in_allocation, srun_command
+from launch.verl_job import run_then_eval_on_verl
 
 PWNED = Path("/tmp/pwned")
 
@@ -89,6 +90,32 @@ def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monk
     assert cmd[wrapper - 1] == "-m" and cmd[wrapper + 1].endswith("nid001-torchrun-failures.json")
     assert "--rdzv-endpoint=nid001:24242" in cmd and "--nproc-per-node=4" in cmd and "--nnodes=2" in cmd
     assert cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
+
+
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_the_ranks_step_overlaps_rays_only_in_a_job_that_hosts_ray(tmp_path, monkeypatch, launcher):
+    """A stage on our engines whose held-out eval runs on verl trains beside Ray's steps, which hold
+    the GPUs its ranks need: their srun step is --overlap there, and only there."""
+    for name, value in {
+        "HPCR1_LAUNCHER": launcher,
+        "SLURM_JOB_NODELIST": "nid[001-002]",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS_PER_NODE": "4(x2)",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr("launch.slurm_launch.first_host", lambda nodelist: "nid001")  # needs slurmctld
+    monkeypatch.setattr("launch.slurm_launch.lost_nodes", lambda nodelist: {})
+    steps = []
+    # The ranks' step "fails": the stage stops before verl's generation server.
+    monkeypatch.setattr(
+        "launch.slurm_launch.run_forwarding_usr1", lambda cmd, env, fds: steps.append(cmd) or 1
+    )
+    assert run_then_eval_on_verl(tmp_path, "stage1_sft") == 1
+    assert run_stage_in_allocation(tmp_path, "stage1_sft") == 1
+    beside_ray, alone = steps
+    assert beside_ray[:2] == ["srun", "--overlap"] and "--overlap" not in alone
+    assert beside_ray[2:] == alone[1:]
 
 
 HOSTILE = [
