@@ -3,7 +3,8 @@ local cluster: the Ray head on the first node and a worker on the other join int
 (`ray status` lists both), and a placement group of verl's worker-group kind (one CPU bundle a node,
 STRICT_SPREAD) runs a task on each node, each reporting its own hostname. verl's trainer needs GPUs:
 the rendered script stops where it would start the stage, with the probe in its place. The job runs
-under a home holding another Ray's auth token."""
+under a home holding another Ray's auth token, and its head's address is the one Slurm reaches the
+first node at."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 address = os.environ["RAY_ADDRESS"]
+print("RAY_ADDRESS=" + address, flush=True)
 # `ray status` prints the autoscaler's last report, which lags the nodes joining by a few seconds
 # (seen: "No cluster status", or one active node while the placement group below spreads over
 # two): asked again until it lists both, for at most 60 s; the test reads the last answer.
@@ -84,6 +86,11 @@ def test_the_verl_template_joins_ray_across_nodes_and_spreads_a_placement_group(
     text = out.read_text()
     assert job.returncode == 0, text[-4000:]
     assert "Ray cluster ready: 2 node(s)" in text, text[-4000:]
+    head = text.split("RAY_ADDRESS=", 1)[1].split(":", 1)[0]
+    node = subprocess.run(
+        ["scontrol", "show", "node", "mnode1"], env=multinode_env, capture_output=True, text=True
+    )
+    assert f"NodeAddr={head} " in node.stdout, (head, node.stdout)
     # ray status: both nodes active.
     active = text.split("Active:", 1)[1].split("Pending:", 1)[0]
     assert active.count("node_") == 2, text[-4000:]

@@ -3,8 +3,10 @@ write, valid shell (shellcheck), and hostile strings that stay inert."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 from core.cluster import load_profile
-from launch.sbatch import render_stage_script, sbatch_command
+from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import run_stage_in_allocation, srun_command
 from launch.verl_job import run_then_eval_on_verl
 
@@ -116,6 +118,58 @@ def test_the_ranks_step_overlaps_rays_only_in_a_job_that_hosts_ray(tmp_path, mon
     beside_ray, alone = steps
     assert beside_ray[:2] == ["srun", "--overlap"] and "--overlap" not in alone
     assert beside_ray[2:] == alone[1:]
+
+
+FAKE_SLURM = {  # what the address lines call, answered as on 2 nodes; srun runs its command here
+    "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done; exec "$@"',
+    "scontrol": 'if [[ $2 == hostnames ]]; then printf "node1\\nnode2\\n"; '
+    + 'else echo "   NodeAddr=$3 Port=0"; fi',
+}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="bind-mounts /etc/hosts")
+def test_the_ray_head_address_reaches_the_other_nodes_where_the_hostname_is_a_loopback(tmp_path):
+    """Debian maps a host's own name to 127.0.1.1: the head's address is still the one its route to
+    the other node leaves from (node2 resolves, as Slurm's NodeAddr for it, to this machine's
+    address), not a loopback. The verl script's address lines run under that /etc/hosts, in a mount
+    namespace of their own."""
+    global_addrs = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "scope", "global"], capture_output=True, text=True
+    )
+    if not global_addrs.stdout.split():
+        pytest.skip("no network address on this machine")
+    address = global_addrs.stdout.split()[3].split("/")[0]
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {socket.gethostname()}\n{address} node2\n")
+    lines = render_verl_script(
+        load_profile("local-multinode"), tmp_path / "run", "stage2_grpo", 2
+    ).splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("mapfile -t nodes"))
+    last = next(i for i, line in enumerate(lines) if line.startswith("export RAY_ADDRESS="))
+    (tmp_path / "address.sh").write_text(
+        "\n".join(["set -euo pipefail", *lines[first : last + 1], 'echo "$head_ip"'])
+    )
+    for name, body in FAKE_SLURM.items():
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]"}
+    out = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec bash "$1"',
+            hosts,
+            tmp_path / "address.sh",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [address], out.stdout + out.stderr
 
 
 HOSTILE = [
