@@ -126,6 +126,18 @@ class ClusterProfile(Section):
     for one whose clients do not find theirs (the local ones); unset: the clients' own lookup."""
     ray: RayPorts = RayPorts()
     """Ports and start-up timeout of the Ray cluster a verl GRPO stage starts on its allocation."""
+    verl_platform: Literal["gpu", "cpu"] = "gpu"
+    """Where verl's trainer and generation server run: 'gpu' (vLLM or SGLang rollouts, NCCL), or
+    'cpu', a test platform for clusters without GPUs (stages/engines/verl_cpu.py): gloo ranks, a
+    Hugging Face rollout, and Ray counting each rank as one GPU. 'cpu' only with gpus_per_node 0."""
+
+    @model_validator(mode="after")
+    def _cpu_platform_without_gpus(self):
+        if self.verl_platform == "cpu" and self.gpus_per_node:
+            raise ValueError(
+                "verl_platform 'cpu' is a test platform for nodes without GPUs: gpus_per_node must be 0"
+            )
+        return self
 
     @field_validator("name", "partition", "account", "qos", "time_limit")
     @classmethod
@@ -151,6 +163,10 @@ class ClusterProfile(Section):
 
     def tasks_per_node(self) -> int:
         return self.gpus_per_node or self.ranks_per_node
+
+    def verl_gpus_per_node(self) -> int:
+        """What verl and its Ray count as a node's GPUs: the ranks, on the CPU platform."""
+        return self.ranks_per_node if self.verl_platform == "cpu" else self.gpus_per_node
 
 
 def load_profile(name_or_path: str, overrides: dict | None = None) -> ClusterProfile:

@@ -114,6 +114,12 @@ class VerlRolloutConfig(Section):
     """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
     max_prompt_length: PositiveInt = 512
     """Longest prompt in tokens, chat template included; a longer prompt is an error, not truncated."""
+    requests_in_flight: PositiveInt = 256
+    """Generation requests (synthesis, held-out eval) a rollout engine instance is sent at once; the
+    rest wait in the job's driver, not as open connections. The engine batches what it holds."""
+    request_timeout_s: PositiveFloat = 900
+    """Seconds one generation request may take before the stage fails naming the engine instance:
+    a dead or hung instance ends the job then, not at its time limit."""
 
     def max_model_len(self, max_new_tokens: int) -> int:
         """The longest sequence the engine must hold, as verl is told it: unset, verl passes the

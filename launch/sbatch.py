@@ -80,8 +80,21 @@ def render_verl_script(
         nodes,
         python,
         gpus_per_node=profile.gpus_per_node,
+        verl_gpus=profile.verl_gpus_per_node(),
+        verl_platform=profile.verl_platform,
+        ray_cpus=ray_cpus_option(profile),
         **profile.ray.model_dump(),
     )
+
+
+def ray_cpus_option(profile: ClusterProfile) -> str:
+    """On the CPU platform, Ray's logical CPUs for verl's actors, which hold CPU bundles and would
+    wait forever for a small node's cores: 3 a rank (verl's placement-group bundles), and 8 for the
+    trainer, the TransferQueue controller and storage, reward and agent-loop workers. On GPU nodes
+    Ray counts the cores, dozens."""
+    if profile.verl_platform != "cpu":
+        return ""
+    return f"--num-cpus={3 * profile.ranks_per_node + 8} "
 
 
 def _render(

@@ -52,12 +52,22 @@ from stages.engines.verl_io import (
     held_out_result,
     latest_step,
     merge_to_final,
+    next_metrics_file,
     traces_to_events,
+    verl_metric_rows,
     verl_rows,
     write_metrics,
     write_parquet,
 )
-from stages.engines.verl_trainer import DATA_SOURCE, check_verl_stage, uses_verl, verl_paths
+from stages.engines.verl_trainer import (
+    DATA_SOURCE,
+    check_verl_stage,
+    platform_env,
+    platform_overrides,
+    runtime_env_overrides,
+    uses_verl,
+    verl_paths,
+)
 from stages.eval import accuracy_of, tally
 from stages.synth import accepted_answers, write_outputs
 
@@ -95,18 +105,20 @@ def verl_launcher(cfg: RunConfig, sid: str):
     return run_verl_synth if isinstance(stage, SynthStage) else run_verl_stage
 
 
-def check_verl_job(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> None:
+def check_verl_job(
+    cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int, platform: str = "gpu"
+) -> None:
     """Everything verl would refuse in stage `sid`'s job, before it is queued (ConfigError)."""
     stage = getattr(cfg, sid)
     if engine_of(stage) == "verl" and isinstance(stage, GRPOStage):
-        check_verl_stage(cfg, run, sid, nnodes, gpus_per_node)
+        check_verl_stage(cfg, run, sid, nnodes, gpus_per_node, platform)
         check_backend_installed(stage, sid)
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
     overrides = generation_overrides(  # the model is an earlier stage's, not there yet: any path composes
         Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
-    )
+    ) + platform_overrides(platform)
     check_generation(field, rollout, sampling, overrides, (nnodes, gpus_per_node))
 
 
@@ -156,6 +168,11 @@ def generation_paths(run: RunDir, sid: str) -> dict[str, Path]:
     return {"prompts": data / "generation_prompts.parquet", "output": data / "generation_answers.parquet"}
 
 
+def _platform() -> str:
+    """Where verl runs: the cluster profile's verl_platform, exported by verl_stage.sbatch."""
+    return os.environ.get("HPCR1_VERL_PLATFORM", "gpu")
+
+
 def _verl_job(run_dir: Path, sid: str, body) -> int:
     """`body(cfg, run, (nnodes, gpus_per_node))`'s exit code, or 1 with the exception recorded where
     the driver looks for a failed rank's (logs/rank-00000.*)."""
@@ -175,12 +192,29 @@ def _verl_job(run_dir: Path, sid: str, body) -> int:
 
 
 def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
-    overrides = check_verl_stage(cfg, run, sid, *nodes)
+    overrides = check_verl_stage(cfg, run, sid, *nodes, _platform())
     write_verl_data(cfg, run, sid)
-    rc = _run_verl(run, sid, "verl.trainer.main_ppo", overrides, pass_fds)
+    env = verl_env(cfg, run, sid, next_metrics_file(verl_paths(run, sid)["metrics"]))
+    if latest_step(verl_paths(run, sid)["ckpt"]) == getattr(cfg, sid).steps:
+        # verl loads that checkpoint and trains no step: only validation before training then scores
+        # the final policy (an attempt that died between its last checkpoint and its validation).
+        overrides.append("trainer.val_before_train=true")
+    rc = _run_verl(
+        run, sid, ["-m", "verl.trainer.main_ppo", *overrides, *runtime_env_overrides(env)], env, pass_fds
+    )
     if rc == 0:
         finish_verl_stage(cfg, run, sid)
     return rc
+
+
+def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
+    """What verl's processes read from their environment: its file logger's path (one file an
+    attempt: verl opens it with "wb"), wandb's mode and folder (verl's wandb.init names neither), and
+    the platform. Given to main_ppo's process and to its Ray job's runtime environment."""
+    env = {"VERL_FILE_LOGGER_PATH": str(metrics_file), "WANDB_DIR": str(run.stage(sid).resolve())}
+    if cfg.wandb.mode != "disabled":
+        env["WANDB_MODE"] = cfg.wandb.mode
+    return {**env, **platform_env(_platform())}
 
 
 def _generate_on_verl(
@@ -193,14 +227,18 @@ def _generate_on_verl(
     paths = generation_paths(run, sid)
     overrides = generation_overrides(
         model_dir.resolve(), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, *nodes
-    )
+    ) + platform_overrides(_platform())
     check_generation(field, rollout, sampling, overrides, nodes)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     check_prompt_lengths(examples, tokenizer, rollout.max_prompt_length, f"{field}.verl.max_prompt_length")
     write_parquet(paths["prompts"], verl_rows(examples, "generation", DATA_SOURCE))
     paths["output"].unlink(missing_ok=True)  # an earlier attempt's
+    env = platform_env(_platform())
+    limits = [str(rollout.requests_in_flight), str(rollout.request_timeout_s)]
     with phase("generation"):
-        rc = _run_verl(run, sid, GENERATION_MODULE, overrides, pass_fds)
+        rc = _run_verl(
+            run, sid, ["-m", GENERATION_MODULE, json.dumps(env), *limits, *overrides], env, pass_fds
+        )
     return rc if rc != 0 else read_responses(paths["output"], len(examples), sampling.n)
 
 
@@ -258,19 +296,16 @@ def write_verl_data(cfg, run: RunDir, sid: str) -> None:
     write_parquet(paths["val"], verl_rows(held_out, "eval", DATA_SOURCE))
 
 
-def _run_verl(run: RunDir, sid: str, module: str, overrides: list[str], pass_fds: tuple[int, ...]) -> int:
-    """verl's `module` with `overrides`; its output goes to logs/rank-00000.log, where a failure's
-    traceback is looked for. On USR1 (the job nears its time limit) it is stopped: the requeued job
-    resumes GRPO from verl's newest checkpoint (trainer.resume_mode=auto), losing the steps since
-    then; generation starts over."""
-    env = repo_env()
-    env["VERL_FILE_LOGGER_PATH"] = str(verl_paths(run, sid)["metrics"])
-    env.setdefault("WANDB_DIR", str(run.stage(sid).resolve()))
+def _run_verl(run: RunDir, sid: str, args: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> int:
+    """`python ARGS` (verl's trainer or our generation driver) with `env` added; its output goes to
+    logs/rank-00000.log, where a failure's traceback is looked for. On USR1 (the job nears its time
+    limit) it is stopped: the requeued job resumes GRPO from verl's newest checkpoint
+    (trainer.resume_mode=auto), losing the steps since then; generation starts over."""
     run.logs(sid).mkdir(parents=True, exist_ok=True)
     with open(run.logs(sid) / "rank-00000.log", "a") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *overrides],
-            env=env,
+            [sys.executable, *args],
+            env={**repo_env(), **env},
             stdout=log,
             stderr=subprocess.STDOUT,
             pass_fds=pass_fds,
@@ -290,8 +325,7 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)
-    write_metrics(paths["metrics"], run.metrics(sid))
+    rows = verl_metric_rows(paths["metrics"])
+    write_metrics(rows, run.metrics(sid))
     n_eval = min(cfg.eval.num_examples, len(read_examples(run.task_file("eval"))))
-    atomic_write_text(
-        run.eval_result(sid), json.dumps(held_out_result(paths["metrics"], DATA_SOURCE, n_eval))
-    )
+    atomic_write_text(run.eval_result(sid), json.dumps(held_out_result(rows, DATA_SOURCE, n_eval)))

@@ -48,7 +48,7 @@ def submit(
             f"tasks per node of cluster profile {profile.name!r}: set nproc={world}",
         )
     for sid in verl_stages(cfg, only):
-        check_verl_job(cfg, run, sid, nodes, profile.gpus_per_node)
+        check_verl_job(cfg, run, sid, nodes, profile.verl_gpus_per_node(), profile.verl_platform)
     refuse_native_overflow(cfg, config_dir, profile, only)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):

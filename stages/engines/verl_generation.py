@@ -18,7 +18,7 @@ from pathlib import Path
 from core.config import ConfigError, VerlRolloutConfig
 from stages.engines.verl_trainer import check_rollout_gpus, compose_verl_config, hydra_value
 
-MODULE = "verl.trainer.main_generation_server"
+MODULE = "stages.engines.verl_generate"  # verl's replicas, asked with bounded requests
 RESPONSES = "responses"  # the column main_generation_server adds to the prompt rows
 
 

@@ -132,31 +132,48 @@ def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
     return sum(len(events) for events in by_rank.values())
 
 
-def write_metrics(verl_metrics: Path, metrics: Path) -> None:
-    """verl's file-logger rows ({"step", "data"}) as our metrics.jsonl: its own keys, plus the step's
-    phase wall times under our names (phase_time/<phase>, what `hpcr1 report` reads)."""
-    rows = []
-    for line in verl_metrics.read_text().splitlines():
-        row = json.loads(line)
+def next_metrics_file(folder: Path) -> Path:
+    """The file verl's file logger writes in this attempt: a new one each, since it opens its file
+    with "wb" (verl/utils/tracking.py) and would erase the metrics of the attempts before."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"attempt-{len(list(folder.glob('attempt-*.jsonl'))) + 1:03d}.jsonl"
+
+
+def verl_metric_rows(folder: Path) -> list[dict]:
+    """Every attempt's file-logger rows ({"step", "data"}), in attempt order; a step an attempt
+    logged again (it resumed from a checkpoint before it) keeps the later row."""
+    by_step: dict[int, dict] = {}
+    for path in sorted(folder.glob("attempt-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                by_step.pop(row["step"], None)  # re-inserted: the dict stays in the order logged
+                by_step[row["step"]] = row
+    return sorted(by_step.values(), key=lambda row: row["step"])
+
+
+def write_metrics(rows: list[dict], metrics: Path) -> None:
+    """verl's file-logger rows as our metrics.jsonl: its own keys, plus the step's phase wall times
+    under our names (phase_time/<phase>, what `hpcr1 report` reads)."""
+    out = []
+    for row in rows:
         data = row["data"]
         phases = {
             f"phase_time/{ours}": data[f"timing_s/{theirs}"]
             for theirs, ours in VERL_TIMERS.items()
             if f"timing_s/{theirs}" in data
         }
-        rows.append({"step": row["step"], **data, **phases})
-    atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
+        out.append({"step": row["step"], **data, **phases})
+    atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in out))
 
 
-def held_out_result(metrics_file: Path, data_source: str, n: int) -> dict:
+def held_out_result(rows: list[dict], data_source: str, n: int) -> dict:
     """The last validation verl logged (at the final step: the policy final/ holds), as eval.json."""
     core, aux = f"val-core/{data_source}/acc/mean@1", f"val-aux/{data_source}/format_ok/mean@1"
     last = None
-    if metrics_file.is_file():
-        for line in metrics_file.read_text().splitlines():
-            data = json.loads(line).get("data", {})
-            if core in data:
-                last = data
+    for row in rows:
+        if core in row.get("data", {}):
+            last = row["data"]
     if last is None:
-        raise RuntimeError(f"verl logged no held-out accuracy ({core}) in {metrics_file}")
+        raise RuntimeError(f"verl logged no held-out accuracy ({core}) in any attempt's metrics")
     return {"accuracy": float(last[core]), "format_rate": float(last[aux]) if aux in last else None, "n": n}

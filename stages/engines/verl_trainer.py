@@ -30,7 +30,7 @@ def verl_paths(run: RunDir, sid: str) -> dict[str, Path]:
         "val": stage / "verl_data" / "val.parquet",
         "ckpt": run.ckpt(sid).resolve(),
         "traces": stage / "verl_traces",
-        "metrics": stage / "verl_metrics.jsonl",
+        "metrics": stage / "verl_metrics",  # one file an attempt (verl_io.next_metrics_file)
     }
 
 
@@ -168,12 +168,61 @@ def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path) -> dict:
 
 
 def logger_list(cfg: RunConfig) -> list[str]:
-    """console always; file (verl_metrics.jsonl, where the held-out accuracy is read back); wandb
+    """console always; file (verl_metrics/, where the held-out accuracy is read back); wandb
     unless disabled (offline or online is WANDB_MODE's business, set by the job)."""
     return ["console", "file"] + ([] if cfg.wandb.mode == "disabled" else ["wandb"])
 
 
+# --- the CPU test platform and the environment of verl's actors -----------------------------------
+
+CPU_PLATFORM = "cpu"
+
+
+def platform_overrides(platform: str) -> list[str]:
+    """What verl needs beside our overrides on the CPU test platform (stages/engines/verl_cpu.py);
+    nothing on GPUs. The rollout engine becomes the platform's HF one, whatever the config names."""
+    if platform != CPU_PLATFORM:
+        return []
+    overrides = {
+        "trainer.device": "cpu",
+        "actor_rollout_ref.rollout.name": "hf",
+        # FSDP1 needs a GPU to start (sync_module_states); FSDP2 does not
+        "actor_rollout_ref.actor.strategy": "fsdp2",
+        "actor_rollout_ref.ref.strategy": "fsdp2",
+        "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+        "actor_rollout_ref.actor.use_torch_compile": False,
+        "actor_rollout_ref.ref.use_torch_compile": False,
+        # fewer processes on a few cores: one agent-loop, reward and TransferQueue storage worker
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "reward.num_workers": 1,
+        "data.dataloader_num_workers": 0,
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
+    }
+    return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+def platform_env(platform: str) -> dict[str, str]:
+    """The environment that makes every verl process, Ray's workers too, load the CPU platform."""
+    if platform != CPU_PLATFORM:
+        return {}
+    return {"VERL_USE_EXTERNAL_MODULES": "stages.engines.verl_cpu", "VERL_PLATFORM": CPU_PLATFORM}
+
+
+def runtime_env_overrides(env: dict[str, str]) -> list[str]:
+    """`env` for every process of main_ppo's Ray job (its runtime environment): a Ray started apart,
+    as on a cluster, hands its actors the environment of `ray start`, not the driver's."""
+    return [
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.{name}={hydra_string(value)}"
+        for name, value in env.items()
+    ]
+
+
 _PLAIN = re.compile(r"^[A-Za-z0-9_./:+-]+$")
+
+
+def hydra_string(text: str) -> str:
+    """`text` as a string Hydra reads back unchanged, even one that looks like a number or a bool."""
+    return hydra_value(str(text)) if not _PLAIN.match(str(text)) else f"'{text}'"
 
 
 def hydra_value(value) -> str:
@@ -246,11 +295,19 @@ def check_rollout_gpus(section: str, rollout_tp: int, nnodes: int, gpus_per_node
         raise ConfigError(f"{section}.verl.rollout_tp", f"{problem} of the job ({nnodes} nodes)")
 
 
-def check_verl_stage(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int) -> list[str]:
+def check_verl_stage(
+    cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_node: int, platform: str = "gpu"
+) -> list[str]:
     """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
     s: GRPOStage = getattr(cfg, sid)
+    if s.max_pass_rate < 1:
+        raise ConfigError(
+            f"{sid}.max_pass_rate",
+            "verl's trainer has no selection of prompts by the starting model's pass rate: set it to 1.0, "
+            "or engine 'native', which has one",
+        )
     check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
-    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
+    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node) + platform_overrides(platform)
     try:
         validate_verl_config(compose_verl_config(overrides))
     except Exception as e:  # Hydra, OmegaConf, verl's asserts and ValueErrors: all say "bad config"

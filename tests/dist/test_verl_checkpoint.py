@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stages.data.tokenizer import build_char_tokenizer
-from stages.engines.verl_io import latest_step, merge_to_final
+from stages.engines.verl_io import latest_step, merge_to_final, next_metrics_file
 from stages.models.tiny import build_tiny_llama
 from tests.conftest import REPO
 
@@ -72,7 +72,7 @@ def test_a_verl_stage_is_done_only_once_its_results_are_ours(tmp_path, torchrun)
     def main_ppo_and_finish() -> int:
         paths = verl_paths(run, sid)
         torchrun(WORKER, 2, str(run.base_model), str(paths["ckpt"]), "2", timeout=600)
-        paths["metrics"].write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in [
+        next_metrics_file(paths["metrics"]).write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in [
             (1, {"timing_s/gen": 1.5, "timing_s/update_actor": 0.5}),
             (2, {"timing_s/gen": 1.0, "val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0})]))
         finish_verl_stage(cfg, run, sid)

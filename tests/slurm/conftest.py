@@ -4,8 +4,11 @@ modules that use it share it: a start and a stop cost ~20 s) and always stopped 
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
+from tests.conftest import REPO, hpcr1_env
 from tests.slurm.multinode import START_BUDGET_S, start_multinode, stop_multinode
 
 
@@ -26,3 +29,15 @@ def multinode_env(multinode_cluster):
     env, took = start_multinode(2)
     assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
     return env
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """The single-node local Slurm (slurm/local/start.sh: started if it is not running), shared by
+    the modules that submit to it and left running (it is cheap to keep, slow to start)."""
+    out = subprocess.run(
+        ["bash", str(REPO / "slurm" / "local" / "start.sh")], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    return {**hpcr1_env(), "SLURM_CONF": conf}

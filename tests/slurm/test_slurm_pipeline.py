@@ -15,7 +15,7 @@ import yaml
 
 from core.config import _apply_override
 from launch.slurm_launch import srun_command
-from tests.conftest import REPO, SMALL_RUN, hpcr1_env
+from tests.conftest import REPO, SMALL_RUN
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TWO_STAGES = {
@@ -23,16 +23,6 @@ TWO_STAGES = {
     "name": "slurm",
     "stage3_sft": {**SMALL_RUN["stage1_sft"], "init_from": "stage1_sft"},
 }
-
-
-@pytest.fixture(scope="module")
-def slurm_env():
-    out = subprocess.run(
-        ["bash", str(REPO / "slurm" / "local" / "start.sh")], capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr
-    conf = out.stdout.strip().splitlines()[-1].split("=", 1)[1]
-    return {**hpcr1_env(), "SLURM_CONF": conf}
 
 
 def hpcr1(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -3,13 +3,9 @@ the node join, and when nodes are missing it fails at its deadline saying how ma
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,9 +14,9 @@ import yaml
 
 from core.cluster import RayPorts, load_profile
 from core.config import ConfigError
-from launch.local import free_port
 from launch.ray_cluster import auth_env, gpu_nodes
 from tests.conftest import REPO
+from tests.ray_head import ray_head_apart
 
 
 def test_only_live_nodes_with_enough_gpus_count():
@@ -52,83 +48,8 @@ def ray_env(request, tmp_path):
 
 @pytest.fixture
 def ray_head(ray_env):
-    """`ray start --head --block` with every port explicit, as the sbatch template starts it (no GPUs
-    here), on ports free on this machine."""
-    first = free_port()
-    workers = range(first, first + 21)
-
-    def port_outside_workers() -> int:  # Ray refuses a component port inside the worker range
-        while (port := free_port()) in workers:
-            pass
-        return port
-
-    port = port_outside_workers()
-    ports = {
-        flag: port_outside_workers()
-        for flag in (
-            "node-manager-port",
-            "object-manager-port",
-            "ray-client-server-port",
-            "dashboard-port",
-            "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port",
-            "runtime-env-agent-port",
-            "metrics-export-port",
-        )
-    }
-    # Ray's unix sockets live under the temp dir, whose path must stay under ~100 characters.
-    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    log = open(temp_dir / "head.log", "w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--head",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=1",
-            "--num-gpus=0",
-            "--include-dashboard=false",
-            *(f"--{flag}={value}" for flag, value in ports.items()),
-            f"--min-worker-port={workers[0]}",
-            f"--max-worker-port={workers[-1]}",
-            f"--temp-dir={temp_dir}",
-            "--block",
-        ],
-        env=ray_env,
-        start_new_session=True,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        # The template's poll; a head that answers only with a token it does not have never passes.
-        deadline = time.monotonic() + 180
-        status = [sys.executable, "-m", "ray.scripts.scripts", "status", "--address", address]
-        while subprocess.run(status, env=ray_env, capture_output=True).returncode != 0:
-            assert proc.poll() is None and time.monotonic() < deadline, (temp_dir / "head.log").read_text()[
-                -3000:
-            ]
-            time.sleep(1)
+    with ray_head_apart(ray_env) as address:
         yield address
-    finally:  # stopped even when it never came up: a head left running holds its ports
-        stop_head(proc)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def stop_head(proc: subprocess.Popen) -> None:
-    """SIGTERM to `ray start` alone (it drains, then stops its GCS and raylet: seconds; signalled all
-    at once they wait out a 30 s drain), then SIGKILL to its session for whatever is left."""
-    with contextlib.suppress(ProcessLookupError):  # a head that died must not hide its log
-        proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=45)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # the head's session: its raylet, GCS and workers
-    proc.wait()
 
 
 @pytest.mark.slow

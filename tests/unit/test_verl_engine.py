@@ -19,7 +19,13 @@ from core.rundir import RunDir
 from launch.verl_job import check_verl_job
 from pipeline.cli import main
 from runtime.trace_parser import parse_trace
-from stages.engines.verl_io import VERL_PHASES, held_out_result, traces_to_events
+from stages.engines.verl_io import (
+    VERL_PHASES,
+    held_out_result,
+    next_metrics_file,
+    traces_to_events,
+    verl_metric_rows,
+)
 from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
 from stages.rewards.math_reward import score
 from tests.conftest import REPO
@@ -312,21 +318,42 @@ def test_verl_traces_become_profile_events_with_step_rank_and_phase(tmp_path):
     )
 
 
+def log_attempt(folder: Path, rows: list[tuple[int, dict]]) -> Path:
+    """One attempt's file as verl's file logger writes it, in the file verl_job gives that attempt."""
+    path = next_metrics_file(folder)
+    path.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in rows))
+    return path
+
+
 def test_held_out_accuracy_is_read_from_verls_last_validation(tmp_path):
-    log = tmp_path / "verl_metrics.jsonl"
-    log.write_text(
-        "".join(
-            json.dumps({"step": s, "data": d}) + "\n"
-            for s, d in [
-                (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
-                (2, {"actor/pg_loss": 0.1}),
-                (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0}),
-            ]
-        )
+    log_attempt(
+        tmp_path,
+        [
+            (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
+            (2, {"actor/pg_loss": 0.1}),
+            (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0}),
+        ],
     )
-    assert held_out_result(log, "hpcr1", 4) == {"accuracy": 0.75, "format_rate": 1.0, "n": 4}
+    assert held_out_result(verl_metric_rows(tmp_path), "hpcr1", 4) == {
+        "accuracy": 0.75,
+        "format_rate": 1.0,
+        "n": 4,
+    }
     with pytest.raises(RuntimeError, match="no held-out accuracy"):
-        held_out_result(tmp_path / "missing.jsonl", "hpcr1", 4)
+        held_out_result(verl_metric_rows(tmp_path / "missing"), "hpcr1", 4)
+
+
+def test_a_resumed_attempt_adds_to_the_metrics_of_the_one_before_and_redone_steps_keep_the_last(tmp_path):
+    first = log_attempt(tmp_path, [(1, {"actor/pg_loss": 1.0}), (2, {"actor/pg_loss": 2.0})])
+    second = log_attempt(tmp_path, [(2, {"actor/pg_loss": 2.5}), (3, {"val-core/hpcr1/acc/mean@1": 0.5})])
+    assert first != second and first.is_file()  # verl opens its file "wb": one file an attempt
+    rows = verl_metric_rows(tmp_path)
+    assert [(r["step"], r["data"]) for r in rows] == [
+        (1, {"actor/pg_loss": 1.0}),
+        (2, {"actor/pg_loss": 2.5}),
+        (3, {"val-core/hpcr1/acc/mean@1": 0.5}),
+    ]
+    assert held_out_result(rows, "hpcr1", 2)["accuracy"] == 0.5
 
 
 def test_hpcr1_config_shows_the_engine_and_its_verl_section(capsys):
@@ -359,25 +386,9 @@ def test_verls_step_timers_become_our_phase_times(tmp_path):
     from analysis.events import load_phase_times
     from stages.engines.verl_io import write_metrics
 
-    log = tmp_path / "verl_metrics.jsonl"
-    log.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "step": s,
-                    "data": {
-                        "timing_s/gen": 2.0 * s,
-                        "timing_s/update_actor": 1.0,
-                        "timing_s/step": 4.0,
-                        "actor/pg_loss": 0.1,
-                    },
-                }
-            )
-            + "\n"
-            for s in (1, 2)
-        )
-    )
-    write_metrics(log, tmp_path / "metrics.jsonl")
+    timers = {"timing_s/update_actor": 1.0, "timing_s/step": 4.0, "actor/pg_loss": 0.1}
+    log_attempt(tmp_path / "verl_metrics", [(s, {"timing_s/gen": 2.0 * s, **timers}) for s in (1, 2)])
+    write_metrics(verl_metric_rows(tmp_path / "verl_metrics"), tmp_path / "metrics.jsonl")
     assert load_phase_times(tmp_path) == {"rollout": 6.0, "policy_update": 2.0}
 
 

@@ -1,0 +1,226 @@
+"""verl on CPU: a platform for test clusters without GPUs (the `local` and `local-multinode`
+Slurm profiles), so that verl's own trainer and generation server run there as they do on GPUs.
+Never selected on a GPU cluster: a profile with GPUs refuses it (core/cluster.py).
+
+verl imports this module in every process it starts, Ray workers included, when
+`VERL_USE_EXTERNAL_MODULES=stages.engines.verl_cpu` (verl/__init__.py), and selects the platform by
+`VERL_PLATFORM=cpu` (verl/plugin/platform/platform_manager.py). Both reach the workers through Ray's
+runtime environment (launch/verl_job.py). Ray counts the ranks as "GPU" resources: the job's Ray
+is started with as many fake GPUs a node as the profile has ranks a node.
+
+Where verl 0.9.1 assumes an accelerator, `patch_verl()` adapts it; each patch names the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+
+import torch
+from verl.plugin.platform import PlatformBase, PlatformRegistry
+
+PLATFORM = "cpu"
+ROLLOUT = "hf"  # the rollout engine on this platform: stages/engines/verl_hf_rollout.py
+
+
+@PlatformRegistry.register(platform=PLATFORM)
+class PlatformCPU(PlatformBase):
+    """torch's CPU device and gloo; memory, streams and profiler ranges have nothing to do."""
+
+    device_name = PLATFORM
+    vendor_name = PLATFORM
+
+    @property
+    def device_module(self):
+        return _CPU_DEVICE
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return False  # chosen only by VERL_PLATFORM, never detected
+
+    def current_device(self):
+        return PLATFORM  # verl moves tensors with .to(current_device()): an index would mean CUDA
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        pass
+
+    def synchronize(self, device_index=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"  # what Ray sets for its (fake) GPU resources
+
+    def nvtx_range(self, msg: str):
+        return contextlib.nullcontext()
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "GPU"  # verl's resource pools and placement groups then work unchanged
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+class _CPUDevice:
+    """torch.cpu with the calls verl makes on its device module that torch.cpu lacks (memory
+    statistics, empty_cache, seeding): nothing to free, nothing to count."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    def __eq__(self, other) -> bool:  # verl's own CPU cases test `device == torch.cpu`
+        return other is self or other is torch.cpu
+
+    __hash__ = object.__hash__
+
+    def get_device_name(self, device=None) -> str:
+        return "CPU"
+
+    def empty_cache(self) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        return 0, 0
+
+    def memory_allocated(self, device=None) -> int:
+        return 0
+
+    memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+
+_CPU_DEVICE = _CPUDevice()
+
+
+def _gloo_only(init):
+    """verl/utils/distributed.py:63,89 build "cpu:gloo,<device>:<ccl>", here "cpu:gloo,cpu:gloo",
+    which torch rejects: one device, one backend."""
+
+    @functools.wraps(init)
+    def wrapper(*args, **kwargs):
+        if kwargs.get("backend") is None and len(args) < 2:
+            kwargs["backend"] = "gloo"
+        return init(*args, **kwargs)
+
+    return wrapper
+
+
+def patch_verl() -> None:
+    import verl.utils.distributed as distributed
+    import verl.utils.import_utils as import_utils
+
+    distributed.initialize_global_process_group_ray = _gloo_only(
+        distributed.initialize_global_process_group_ray
+    )
+    # models/transformers/monkey_patch.py:352 imports a value-head model from any trl it finds; the
+    # trl of the CPU lock has none, and GRPO has no critic.
+    import_utils.is_trl_available = lambda: False
+    # verl's own override of the device its engine registry looks up (workers/engine/base.py:405):
+    # transformer_impl.py:1143 registers the FSDP engines for cuda and npu only, their code is generic.
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+    _after_import("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
+    _register_rollout()
+
+
+def _register_rollout() -> None:
+    """The HF rollout under the name 'hf', beside vLLM's in both of verl's registries: the replica
+    (workers/rollout/replica.py:388) and the trainer-side adapter (workers/rollout/base.py:81)."""
+    from verl.workers.rollout import base, replica
+
+    def load():
+        from stages.engines.verl_hf_rollout import HFReplica
+
+        return HFReplica
+
+    replica.RolloutReplicaRegistry.register(ROLLOUT, load)
+    base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = "stages.engines.verl_hf_rollout.HFServerAdapter"
+
+
+def _patch_fsdp_engine(transformer_impl: ModuleType) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    # transformer_impl.py:462 gives forward-only models (the reference) pinned CPU offload: pinning
+    # needs an accelerator.
+    transformer_impl.CPUOffloadPolicy = lambda pin_memory=True: CPUOffloadPolicy(pin_memory=False)
+    # transformer_impl.py:882-886 move a model whose parameters are on the CPU "to the GPU" before
+    # a checkpoint (fsdp_utils.py:237, model.to(device)): on the CPU that swaps the parameters in
+    # place, which torch refuses once anything holds a reference to them (the profiler does).
+    transformer_impl.load_fsdp_model_to_gpu = lambda model: None
+    transformer_impl.offload_fsdp_model_to_cpu = lambda model, empty_cache=True: None
+
+
+def _after_import(name: str, patch) -> None:
+    """Run `patch(module)` once module `name` has executed: most processes never import it, and
+    importing it here would cost each of them seconds."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+    _PatchOnImport.patches[name] = patch
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    patches: dict = {}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            self.patches.pop(name)(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+patch_verl()

@@ -1,0 +1,121 @@
+"""Generation on verl's rollout replicas, for synthesis and held-out eval on verl: the replicas verl's
+`main_generation_server` starts (vLLM, SGLang, or the CPU platform's HF), asked the way verl's own
+trainer asks them, token in and token out through their Ray handles. What differs from
+main_generation_server, which sends every request at once, one HTTP session each, with no timeout
+(verl/trainer/main_generation_server.py:66-100): at most `in_flight` requests a replica at a time,
+each bounded by `timeout_s`, so a synthesis of tens of thousands of answers opens no sockets and a
+dead or hung replica fails the job naming it instead of holding it to its time limit.
+
+    python -m stages.engines.verl_generate ENV_JSON IN_FLIGHT TIMEOUT_S OVERRIDES...
+
+OVERRIDES are verl's `ppo_trainer` config as stages/engines/verl_generation.py writes them (prompts
+in `data.train_files`, answers to `data.output_path`); ENV_JSON the environment verl's actors need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from stages.engines.verl_generation import RESPONSES
+from stages.engines.verl_trainer import compose_verl_config
+
+
+async def start_replicas(config) -> list:
+    """verl's replicas over the job's GPUs, `rollout_tp` each, as main_generation_server starts them."""
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    rollout = config.actor_rollout_ref.rollout
+    count = config.trainer.n_gpus_per_node * config.trainer.nnodes // rollout.tensor_model_parallel_size
+    replica_class = get_rollout_replica_class(rollout.name)
+    replicas = [
+        replica_class(
+            replica_rank=rank,
+            config=rollout,
+            model_config=config.actor_rollout_ref.model,
+            gpus_per_node=config.trainer.n_gpus_per_node,
+        )
+        for rank in range(count)
+    ]
+    await asyncio.gather(*(replica.init_standalone() for replica in replicas))
+    return replicas
+
+
+async def generate_all(
+    replicas, prompts: list[list[int]], n: int, sampling: dict, seed: int, in_flight: int, timeout_s: float
+):
+    """`n` answers (token ids) a prompt; answer j of prompt i goes to replica (i*n + j) mod count,
+    sampled with its own seed (an engine seeds every request alike unless told)."""
+    from tqdm import tqdm
+
+    gates = [asyncio.Semaphore(in_flight) for _ in replicas]
+    progress = tqdm(total=len(prompts) * n, desc="generation", unit="answer", file=sys.stderr, mininterval=5)
+
+    async def one(index: int, prompt_ids: list[int]) -> list[int]:
+        replica = replicas[index % len(replicas)]
+        async with gates[index % len(replicas)]:
+            ref = replica.server_handle.generate.remote(
+                prompt_ids=prompt_ids,
+                sampling_params={**sampling, "seed": seed + index},
+                request_id=f"hpcr1-{index}",
+            )
+            try:
+                output = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+            except TimeoutError:
+                import ray
+
+                ray.cancel(ref)
+                raise TimeoutError(
+                    f"the rollout replica at {replica.server_address} did not answer a request within "
+                    f"{timeout_s:.0f} s (request_timeout_s)"
+                ) from None
+        progress.update()
+        return output.token_ids
+
+    try:
+        answers = await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+    finally:
+        progress.close()
+    return [answers[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def main(argv: list[str]) -> int:
+    import pandas as pd
+    import ray
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    env, in_flight, timeout_s, overrides = json.loads(argv[0]), int(argv[1]), float(argv[2]), argv[3:]
+    config = compose_verl_config(overrides)
+    OmegaConf.resolve(config)
+    rollout = config.actor_rollout_ref.rollout
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    table = pd.read_parquet(config.data.train_files)
+    prompts = [_chat_ids(tokenizer, list(messages)) for messages in table[config.data.prompt_key]]
+    sampling = {
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "max_tokens": rollout.response_length,
+    }
+    ray.init(runtime_env={"env_vars": env}, logging_level="ERROR")
+    try:
+        replicas = asyncio.run(start_replicas(config))
+        answers = asyncio.run(
+            generate_all(replicas, prompts, rollout.n, sampling, rollout.seed, in_flight, timeout_s)
+        )
+    finally:
+        ray.shutdown()
+    table[RESPONSES] = [[tokenizer.decode(a, skip_special_tokens=True) for a in row] for row in answers]
+    table.to_parquet(config.data.output_path)
+    print(f"{len(answers)} prompts x {rollout.n} answers -> {config.data.output_path}", flush=True)
+    return 0
+
+
+def _chat_ids(tokenizer, messages: list) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
