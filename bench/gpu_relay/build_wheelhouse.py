@@ -61,6 +61,16 @@ def read_lock(path: Path) -> dict[str, tuple[str, Version]]:
     return pins
 
 
+def read_overrides(path: Path, pins: dict) -> dict[str, tuple[str, Version]]:
+    """Pins for the target Python that replace the lock's (py312.txt says why each); each must
+    replace one, or it would add a package the lock's resolution never saw."""
+    overrides = read_lock(path)
+    unknown = [n for n in overrides if n not in pins]
+    if unknown:
+        raise RelayError(f"{path}: replaces no pin of the lock: {', '.join(unknown)}")
+    return overrides
+
+
 def read_image(path: Path, pins: dict) -> dict[str, Version]:
     """image.txt's names with the lock's versions: a name the lock does not pin is a mistake in
     the list (it would hide nothing, or hide a package under another spelling)."""
@@ -104,31 +114,44 @@ def download(requirements: list[str], wheels: Path, args) -> None:
     run_pip(sys.executable, "download", "--no-deps", *target, "-d", str(wheels), "-r", str(req_file))
 
 
-def build_sdists(wheels: Path, build_python: str, python_version: str) -> list[str]:
-    """Builds each downloaded sdist into a wheel with build_python, which must be the target
-    Python: setup.py may choose dependencies by the interpreter it runs under. Only pure-Python
-    wheels are accepted. Returns the names built."""
-    sdists = sorted(p for p in wheels.iterdir() if p.name.endswith((".tar.gz", ".zip")))
-    if not sdists:
-        return []
+def build_sdists(wheels: Path, wanted: dict[str, Version], args) -> list[str]:
+    """Builds each wanted pin that came as an sdist into a wheel with --build-python, which must be
+    the target Python: setup.py may choose dependencies by the interpreter it runs under. Only
+    pure-Python wheels are accepted. The sdist stays, so that pip does not fetch it again, and a
+    wheel built by an earlier run is kept: the same bytes, the same manifest. Returns the pins."""
+    sdists = {}
+    for path in wheels.iterdir():
+        if path.name.endswith((".tar.gz", ".zip")):
+            name, version = parse_sdist_filename(path.name)
+            if wanted.get(name) == version:
+                sdists[name] = path
+    todo = [p for n, p in sdists.items() if not any(wheel_of(wheels, n, wanted[n]))]
+    if todo:
+        check_build_python(args.build_python, args.python_version, todo)
+    for sdist in todo:
+        run_pip(args.build_python, "wheel", "--no-deps", "-w", str(wheels), str(sdist))
+    for name, sdist in sdists.items():
+        for wheel in wheel_of(wheels, name, wanted[name]):
+            if any(tag.platform != "any" for tag in parse_wheel_filename(wheel.name)[3]):
+                raise RelayError(
+                    f"{sdist.name} built a compiled wheel here, {wheel.name}: not a manylinux one"
+                )
+    return sorted(f"{n}=={wanted[n]}" for n in sdists)
+
+
+def wheel_of(wheels: Path, name: str, version: Version) -> list[Path]:
+    return [w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[:2] == (name, version)]
+
+
+def check_build_python(build_python: str, python_version: str, sdists: list[Path]) -> None:
     ask = "import sys; print('{}.{}'.format(*sys.version_info))"
     found = subprocess.run([build_python, "-c", ask], capture_output=True, text=True)
-    if found.returncode != 0 or found.stdout.strip() != python_version:
+    have = found.stdout.strip() if found.returncode == 0 else "not runnable"
+    if have != python_version:
         raise RelayError(
-            f"{', '.join(p.name for p in sdists)} have no wheels on the index and must be built with "
-            f"Python {python_version}; --build-python {build_python} is "
-            f"{found.stdout.strip() or 'not runnable'}"
+            f"{', '.join(p.name for p in sdists)}: no wheels on the index, so they are built here, with "
+            f"Python {python_version}; --build-python {build_python} is {have}"
         )
-    built = []
-    for sdist in sdists:
-        run_pip(build_python, "wheel", "--no-deps", "-w", str(wheels), str(sdist))
-        name, version = parse_sdist_filename(sdist.name)
-        wheel = next(w for w in wheels.glob("*.whl") if parse_wheel_filename(w.name)[:2] == (name, version))
-        if any(tag.platform != "any" for tag in parse_wheel_filename(wheel.name)[3]):
-            raise RelayError(f"{sdist.name} built a compiled wheel here, {wheel.name}: not a manylinux one")
-        sdist.unlink()
-        built.append(f"{name}=={version}")
-    return built
 
 
 def select(wheels: Path, wanted: dict[str, Version]) -> dict[str, Path]:
@@ -164,6 +187,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lock", type=Path, default=REPO / "requirements-gpu.lock")
     p.add_argument("--image", type=Path, default=HERE / "image.txt", help="what the image holds, by name")
+    p.add_argument("--overrides", type=Path, default=HERE / "py312.txt", help="pins replacing the lock's")
     p.add_argument("--out", type=Path, default=REPO / ".relay")
     p.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
     p.add_argument(
@@ -184,15 +208,18 @@ def main(argv=None) -> int:
 
 def build(args) -> None:
     started = time.monotonic()
-    pins = read_lock(args.lock)
+    locked = read_lock(args.lock)
+    overrides = read_overrides(args.overrides, locked)
+    pins = {**locked, **overrides}
     image = read_image(args.image, pins)
     carried = {n: v for n, (_, v) in pins.items() if n not in image}
     pip_version = installed_version("pip")
     wheels = args.out / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     download([f"{n}=={v}" for n, v in carried.items()] + [f"pip=={pip_version}"], wheels, args)
-    built = build_sdists(wheels, args.build_python, args.python_version)
-    chosen = select(wheels, {**carried, "pip": Version(pip_version)})
+    wanted = {**carried, "pip": Version(pip_version)}
+    built = build_sdists(wheels, wanted, args)
+    chosen = select(wheels, wanted)
     files = list(chosen.values())
     bundle = args.out / BUNDLE
     make_bundle(files, bundle)
@@ -204,6 +231,7 @@ def build(args) -> None:
         "glibc": glibc_needed(files),
         "pip": pip_version,
         "image": {n: str(v) for n, v in image.items()},
+        "overrides": {n: f"{locked[n][1]} -> {v}" for n, (_, v) in overrides.items()},
         # torch's pin stays: pip must find the image's torch to be the lock's.
         "install": [line for n, (line, _) in pins.items() if n not in image or n == "torch"],
         "built_from_sdist": built,
@@ -222,7 +250,8 @@ def summary(manifest: dict, files: list[Path], seconds: float) -> str:
     return "\n".join(
         [
             f"wheels: {len(files)}, built here from sdists: {built}",
-            f"left to the image: {len(manifest['image'])} pins",
+            f"left to the image: {len(manifest['image'])} pins; for Python {manifest['python']}: "
+            + (", ".join(f"{n} {change}" for n, change in manifest["overrides"].items()) or "no pin changed"),
             f"largest: {largest.name}, {largest.stat().st_size / MIB:.1f} MiB",
             f"bundle: {total / MIB:.1f} MiB; {len(manifest['parts'])} parts of at most "
             f"{max(p['size'] for p in manifest['parts']) / MIB:.1f} MiB: one device call each",
