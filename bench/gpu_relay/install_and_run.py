@@ -46,8 +46,8 @@ def check_machine(manifest: dict) -> list[str]:
             have = None
         if name == "torch" and (have or "").split("+")[0] != wanted:
             raise RelayError(
-                f"{sys.executable} has torch {have}, the wheelhouse needs the image's torch {wanted}: "
-                "run this with the Python that holds it"
+                f"{sys.executable} has {f'torch {have}' if have else 'no torch'}, the wheelhouse needs "
+                f"the image's torch {wanted}: run this with the Python that holds it"
             )
         if have is None or have.split("+")[0] != wanted:
             notes.append(f"image has {name} {have}, the lock {wanted}")
