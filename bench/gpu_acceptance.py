@@ -12,7 +12,8 @@ Checks, each a subprocess with its own time limit and log (under --out):
   report      `hpcr1 report` of that run: its events must be NCCL's, their CUDA times ordered, and
               on 2 GPUs or more SFT's reduction must overlap its backward
   verl        a few steps of verl.trainer.main_ppo with a vLLM rollout on a random ~0.4B Llama, under a
-              Ray head on this node (needs `make setup-gpu`)
+              Ray head on this node (needs `make setup-gpu`; on a node without network,
+              bench/gpu_relay/install_and_run.py installs the lock offline and runs this check)
 About 10 minutes on one GPU. Without a GPU it checks what it can (imports, configs) and says so.
 """
 
