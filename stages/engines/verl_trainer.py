@@ -333,6 +333,14 @@ def _check_batch_split(s: GRPOStage, sid: str, n_gpus: int) -> None:
             f"a mini-batch of {responses} responses (prompts_per_step / "
             f"mini_batches * group_size) does not split over {dp} data-parallel GPUs",
         )
+    micro = s.verl.micro_batch_size_per_gpu
+    if s.verl.max_tokens_per_gpu is None and responses // dp % micro:
+        # verl/workers/engine/utils.py:124 asserts it in each rank's first update
+        raise ConfigError(
+            f"{sid}.verl.micro_batch_size_per_gpu",
+            f"{micro} does not divide a GPU's share of a mini-batch ({responses // dp} responses: "
+            f"prompts_per_step / mini_batches * group_size / {dp} GPUs)",
+        )
 
 
 def verl_stages(cfg: RunConfig, only: list[str] | None = None) -> list[str]:

@@ -199,6 +199,19 @@ def test_a_mini_batch_that_does_not_split_over_the_gpus_names_mini_batches(tmp_p
     assert e.value.field == "stage2_grpo.mini_batches"
 
 
+def test_micro_batches_that_do_not_divide_a_gpus_share_of_a_mini_batch_name_the_field(tmp_path):
+    # 128 / 2 prompts x 8 = 512 responses a mini-batch, 4 a GPU of 128 under FSDP: micro-batches of 8 do not
+    # divide them, which verl asserts only in its workers' first update (seen on its CPU platform).
+    cfg = config_70b(
+        "stage2_grpo.verl.backend=fsdp",
+        "stage2_grpo.mini_batches=2",
+        "stage2_grpo.verl.micro_batch_size_per_gpu=8",
+    )
+    with pytest.raises(ConfigError) as e:
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.verl.micro_batch_size_per_gpu"
+
+
 def test_a_key_verl_does_not_have_is_rejected_by_composition():
     with pytest.raises(Exception, match="no_such_key"):
         compose_verl_config(["actor_rollout_ref.actor.no_such_key=1"])
