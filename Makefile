@@ -12,7 +12,7 @@ XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadsc
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup setup-gpu run lint test test-quick system-packages
+.PHONY: setup setup-gpu run lint test test-verl test-quick system-packages
 
 setup: .venv/.done
 
@@ -72,7 +72,12 @@ lint: setup
 # Starts the local single-node Slurm the tests in tests/slurm submit to.
 test: lint system-packages
 	slurm/local/start.sh
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not verl_chain" $(PYTEST_ARGS)
+
+# verl's own trainer and generation through the five-stage chain and across two nodes, on the CPU platform.
+test-verl: lint system-packages
+	slurm/local/start.sh
+	$(PY) -m pytest -q -m verl_chain $(PYTEST_ARGS)
 
 test-quick: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)

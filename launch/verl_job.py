@@ -37,7 +37,7 @@ from launch.local import repo_env
 from launch.slurm_launch import run_stage_in_allocation
 from runtime.phases import phase
 from runtime.preemption import PREEMPTED_EXIT
-from runtime.rank_failure import record_exception
+from runtime.rank_failure import record_exception, record_printed_exception
 from stages.data.examples import DataError, Example, read_examples
 from stages.engines.verl_generation import (
     GREEDY,
@@ -302,7 +302,9 @@ def _run_verl(run: RunDir, sid: str, args: list[str], env: dict[str, str], pass_
     limit) it is stopped: the requeued job resumes GRPO from verl's newest checkpoint
     (trainer.resume_mode=auto), losing the steps since then; generation starts over."""
     run.logs(sid).mkdir(parents=True, exist_ok=True)
-    with open(run.logs(sid) / "rank-00000.log", "a") as log:
+    log_path = run.logs(sid) / "rank-00000.log"
+    start = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "a") as log:
         proc = subprocess.Popen(
             [sys.executable, *args],
             env={**repo_env(), **env},
@@ -313,7 +315,13 @@ def _run_verl(run: RunDir, sid: str, args: list[str], env: dict[str, str], pass_
         stopped = []
         signal.signal(signal.SIGUSR1, lambda signum, frame: (stopped.append(signum), proc.terminate()))
         rc = proc.wait()
-    return PREEMPTED_EXIT if stopped else rc
+    if stopped:
+        return PREEMPTED_EXIT
+    if rc != 0:  # what verl raised, for the manifest's error (the driver reads rank 0's record)
+        with open(log_path, errors="replace") as log:
+            log.seek(start)
+            record_printed_exception(run.logs(sid), 0, log.read())
+    return rc
 
 
 def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -68,6 +69,34 @@ def forget_failures(log_dir: Path) -> None:
         *log_dir.glob(LOST_NODES),
     ]:
         path.unlink()
+
+
+# The last exception a Python process printed: "pkg.ModError: msg", or Ray's
+# "ray.exceptions.RayTaskError(ValueError): msg".
+_EXCEPTION_LINE = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?:\((?P<cause>\w+)\))?: (?P<message>.*)$"
+)
+
+
+def record_printed_exception(log_dir: Path, rank: int, output: str) -> bool:
+    """Record the last exception a child process (verl's trainer) printed to `output` as rank
+    `rank`'s failure, with the indented lines after it (Ray puts the dead actor's class there).
+    False where it printed none."""
+    lines = output.splitlines()
+    found = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+    if not found:
+        return False
+    match = _EXCEPTION_LINE.match(lines[found[-1]])
+    detail = [line.strip() for line in lines[found[-1] + 1 : found[-1] + 6] if line[:1].isspace()]
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "type": match["cause"] or match["type"].rsplit(".", 1)[-1],
+        "message": " ".join([match["message"], *detail]).strip(),
+        "traceback": "\n".join(lines[max(0, found[-1] - 40) : found[-1] + 6])[-4000:],
+    }
+    atomic_write_text(record_path(log_dir, rank), json.dumps(record, indent=2) + "\n")
+    return True
 
 
 def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:

@@ -123,6 +123,14 @@ class _CPUDevice:
 
     manual_seed_all = manual_seed
 
+    # utils/checkpoint/checkpoint_manager.py:218 restores the device's RNG state when its name is
+    # among the saved ones, and "cpu" always is: on the CPU that is torch's own generator.
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(state)
+
     def mem_get_info(self, device=None) -> tuple[int, int]:
         return 0, 0
 

@@ -14,7 +14,9 @@ from runtime.rank_failure import (
     InjectedFailure,
     fail_if_asked,
     forget_failures,
+    read_failures,
     record_path,
+    record_printed_exception,
     stage_error,
 )
 
@@ -79,3 +81,28 @@ def test_failpoint_raises_only_on_its_rank_and_step(monkeypatch):
     fail_if_asked(1, 2)  # another step
     with pytest.raises(InjectedFailure, match="rank 1 fails as step 3 begins"):
         fail_if_asked(1, 3)
+
+
+# The end of main_ppo's output when one of verl's FSDP ranks was killed (Ray's driver traceback).
+VERL_OUTPUT = """\
+(TaskRunnerV1 pid=101) INFO: step 2 started
+Traceback (most recent call last):
+  File "verl/trainer/main_ppo.py", line 93, in run_ppo
+    ray.get(runner.run.remote(config))
+ray.exceptions.RayTaskError(ActorDiedError): ray::TaskRunnerV1.run() (pid=101, ip=10.0.0.1)
+  File "verl/trainer/ppo/v1/trainer_base.py", line 485, in fit
+ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.
+\tclass_name: create_colocated_worker_cls.<locals>.WorkerDict
+\tactor_id: 2b42555fcb9dc220fca0130b05000000
+\tpid: 20272
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+"""
+
+
+def test_what_a_child_process_printed_last_is_recorded_as_the_ranks_failure(tmp_path):
+    assert record_printed_exception(tmp_path, 0, VERL_OUTPUT)
+    _, records = read_failures(tmp_path)
+    assert records[0]["type"] == "ActorDiedError"
+    assert "WorkerDict" in records[0]["message"] and "pid: 20272" in records[0]["message"]
+    assert stage_error(tmp_path, 1)["exception"] == "ActorDiedError"
+    assert not record_printed_exception(tmp_path / "other", 0, "no exception here\n")

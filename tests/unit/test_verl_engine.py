@@ -415,3 +415,65 @@ def test_a_megatron_layout_that_does_not_divide_the_gpus_names_megatron_tp(tmp_p
     with pytest.raises(ConfigError, match="verl rejects") as e:
         check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
     assert e.value.field == "stage2_grpo.verl.megatron_tp"
+
+
+@pytest.fixture
+def verl_stage_run(tmp_path, monkeypatch):
+    """A prepared run with a verl GRPO stage from the base model; `_run_verl` and the hand-over
+    stubbed: what the job would start is recorded (args, env)."""
+    from launch import verl_job
+    from pipeline.driver import check_run, write_run
+
+    stage = ["init_from=base", "engine=verl", "verl.rollout_tp=1", "prompts_per_step=8"]
+    overrides = [*SMALL_DATA, *(f"stage2_grpo.{o}" for o in stage), "wandb.mode=offline"]
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
+    run = RunDir(tmp_path / "run")
+    write_run(cfg, run, check_run(cfg, REPO / "configs"), REPO / "configs")
+    started = []
+    monkeypatch.setattr(
+        verl_job, "_run_verl", lambda run, sid, args, env, fds: started.append((args, env)) or 0
+    )
+    monkeypatch.setattr(verl_job, "finish_verl_stage", lambda cfg, run, sid: None)
+    monkeypatch.setenv("HPCR1_VERL_PLATFORM", "cpu")
+    return cfg, run, started
+
+
+def test_what_verls_actors_read_reaches_them_through_the_ray_jobs_runtime_env(verl_stage_run):
+    from launch import verl_job
+
+    cfg, run, started = verl_stage_run
+    assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
+    args, env = started[0]
+    # A Ray started apart gives its actors `ray start`'s environment: each variable must be in the
+    # job's runtime environment, where verl's TaskRunner and workers get it.
+    passed = {
+        a.split("=", 1)[0].rsplit(".", 1)[1]: a.split("=", 1)[1]
+        for a in args
+        if ".runtime_env.env_vars." in a
+    }
+    assert set(passed) == set(env) >= {"VERL_FILE_LOGGER_PATH", "WANDB_MODE", "WANDB_DIR", "VERL_PLATFORM"}
+    assert passed["WANDB_MODE"] == "'offline'" and env["WANDB_MODE"] == "offline"
+    assert Path(env["VERL_FILE_LOGGER_PATH"]).name == "attempt-001.jsonl"
+    config = compose_verl_config([a for a in args[2:]])
+    assert (
+        config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "stages.engines.verl_cpu"
+    )
+    assert config.actor_rollout_ref.rollout.name == "hf" and not config.trainer.val_before_train
+
+
+def test_an_attempt_resuming_at_the_last_step_validates_before_it_would_train(verl_stage_run):
+    from launch import verl_job
+
+    cfg, run, started = verl_stage_run
+    ckpt = run.ckpt("stage2_grpo")
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(cfg.stage2_grpo.steps))
+    assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
+    assert compose_verl_config(started[0][0][2:]).trainer.val_before_train
+
+
+def test_max_pass_rate_is_refused_on_verl_naming_the_field(tmp_path):
+    cfg = config_70b("stage2_grpo.max_pass_rate=0.9")
+    with pytest.raises(ConfigError) as e:
+        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    assert e.value.field == "stage2_grpo.max_pass_rate"
