@@ -15,8 +15,12 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 # Modules that share one service and must run in one xdist worker, one after the other: the
-# multi-node cluster is a session fixture that one module's test stops and the others restart.
-SHARED_SERVICE_GROUPS = {"tests/slurm/test_multinode_": "multinode-slurm"}
+# multi-node cluster is a session fixture that one module's test stops and the others restart; the
+# single-node one's two CPUs fit one stage job at a time, and verl's Ray ports are the profile's.
+SHARED_SERVICE_GROUPS = {
+    "tests/slurm/test_multinode_": "multinode-slurm",
+    "tests/slurm/test_slurm_": "local-slurm",
+}
 
 
 def work_unit(nodeid: str) -> str:
