@@ -68,7 +68,7 @@ async def generate_all(
                 ray.cancel(ref)
                 raise TimeoutError(
                     f"the rollout replica at {replica.server_address} did not answer a request within "
-                    f"{timeout_s:.0f} s (request_timeout_s)"
+                    f"{timeout_s:g} s (request_timeout_s)"
                 ) from None
         progress.update()
         return output.token_ids

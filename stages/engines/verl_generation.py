@@ -1,13 +1,14 @@
-"""Generation on verl's rollout engine, for models one GPU cannot hold: `verl.trainer.main_generation_server`
-starts vLLM (or SGLang) replicas of `rollout_tp` GPUs each on the job's Ray cluster and sends
-each prompt of a parquet file to them as a chat request, `n` times; it writes the answers back
-as a `responses` column (a list of n strings a row). Synthesis (stage engine 'verl') samples with
-it, held-out eval (eval.engine 'verl') decodes greedily with it, and our reward scores both.
+"""Generation on verl's rollout engine, for models one GPU cannot hold: `stages/engines/verl_generate.py`
+starts vLLM (or SGLang) replicas of `rollout_tp` GPUs each on the job's Ray cluster, as verl's
+`main_generation_server` does, and asks them for each prompt of a parquet file `n` times; it
+writes the answers back as a `responses` column (a list of n strings a row), as
+main_generation_server does. Synthesis (stage engine 'verl') samples with it, held-out eval
+(eval.engine 'verl') decodes greedily with it, and our reward scores both.
 
 Its config is verl's `ppo_trainer` config, composed and checked here as for GRPO. Two settings
 differ from verl's defaults on purpose: `load_format=auto`, since a standalone replica has no
 actor to sync weights from (verl's default 'dummy' would answer with random weights), and the
-engine's seed, which verl does not pass per request.
+engine's seed (each request also carries its own).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from core.config import ConfigError, VerlRolloutConfig
 from stages.engines.verl_trainer import check_rollout_gpus, compose_verl_config, hydra_value
 
 MODULE = "stages.engines.verl_generate"  # verl's replicas, asked with bounded requests
-RESPONSES = "responses"  # the column main_generation_server adds to the prompt rows
+RESPONSES = "responses"  # the column of answers added to the prompt rows
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Sampling:
     n: int
     """Answers per prompt."""
     temperature: float
-    """0: greedy (main_generation_server then asserts n == 1)."""
+    """0: greedy (then n must be 1)."""
     top_p: float
     max_new_tokens: int
 
@@ -45,7 +46,7 @@ def generation_overrides(
     nnodes: int,
     gpus_per_node: int,
 ) -> list[str]:
-    """The `main_generation_server` command line: `prompts` (verl's RL rows) in, `output` out."""
+    """The generation job's verl config: `prompts` (verl's RL rows) in, `output` out."""
     overrides = {
         "data.train_files": prompts,
         "data.prompt_key": "prompt",
@@ -75,7 +76,7 @@ def check_generation(
     overrides: list[str],
     nodes: tuple[int, int],
 ) -> None:
-    """What main_generation_server would refuse once its Ray cluster is up, said before submission;
+    """What verl would refuse once the job's Ray cluster is up, said before submission;
     `field` is the config section whose `verl` settings these are (e.g. stage3_synth); `nodes` the
     job's (nodes, GPUs a node)."""
     check_rollout_gpus(field, rollout.rollout_tp, *nodes)
@@ -89,7 +90,7 @@ def check_generation(
 
 
 def read_responses(output: Path, rows: int, n: int) -> list[list[str]]:
-    """main_generation_server's answers, one list of `n` a prompt row, in the rows' order."""
+    """The answers, one list of `n` a prompt row, in the rows' order."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(output, columns=[RESPONSES])

@@ -58,24 +58,20 @@ def test_readiness_sees_the_head_and_times_out_naming_missing_nodes(ray_head, ra
     readiness check (the template's `python -m launch.ray_cluster`) sees the head's node."""
     real_token = Path.home() / ".ray" / "auth_token"
     had_token = real_token.exists()
-    ready = subprocess.run(
-        [sys.executable, "-m", "launch.ray_cluster", ray_head, "1", "0", "60"],
-        env=ray_env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    def probe(nodes: str, timeout_s: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "launch.ray_cluster", ray_head, nodes, "0", timeout_s],
+            env=ray_env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    ready = probe("1", "60")
     assert ready.returncode == 0 and "Ray cluster ready: 1 node(s)" in ready.stdout, ready.stderr[-3000:]
     started = time.monotonic()
-    short = subprocess.run(
-        [sys.executable, "-m", "launch.ray_cluster", ray_head, "2", "0", "3"],
-        env=ray_env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    short = probe("2", "3")
     assert short.returncode == 1 and "only 1 of 2 nodes joined" in short.stderr, short.stderr[-3000:]
     assert time.monotonic() - started < 60
     assert real_token.exists() == had_token  # nothing was written to the user's home

@@ -264,3 +264,61 @@ def test_verls_fsdp_actor_asks_only_for_attention_the_gpu_lock_installs(grpo_8b)
     assert "\nflash-attn==" not in lock and "\nflash_attn==" not in lock
     model = grpo_8b[1].actor_rollout_ref.model
     assert model.override_config.attn_implementation == "sdpa" and model.use_remove_padding is False
+
+
+class FakeReplica:
+    """A verl replica whose server answers each request after `delay_s` (never, if None), counting
+    how many it holds at once."""
+
+    def __init__(self, delay_s: float | None, address: str = "10.0.0.1:8000"):
+        import concurrent.futures
+        import threading
+        import types
+
+        self.server_address, self.held, self.most, self.seeds = address, 0, 0, []
+        lock = threading.Lock()
+
+        def remote(prompt_ids, sampling_params, request_id):
+            future = concurrent.futures.Future()
+            with lock:
+                self.held += 1
+                self.most = max(self.most, self.held)
+            self.seeds.append(sampling_params["seed"])
+
+            def answer():
+                with lock:
+                    self.held -= 1
+                future.set_result(types.SimpleNamespace(token_ids=[len(prompt_ids)]))
+
+            if delay_s is not None:
+                threading.Timer(delay_s, answer).start()
+            return types.SimpleNamespace(future=lambda: future)
+
+        self.server_handle = types.SimpleNamespace(generate=types.SimpleNamespace(remote=remote))
+
+
+def test_generation_holds_at_most_requests_in_flight_a_replica_and_seeds_each_sample(monkeypatch):
+    import asyncio
+
+    from stages.engines.verl_generate import generate_all
+
+    replicas = [FakeReplica(0.01), FakeReplica(0.01, "10.0.0.2:8000")]
+    prompts = [[1] * k for k in range(1, 11)]
+    answers = asyncio.run(generate_all(replicas, prompts, 3, {"temperature": 1.0}, 100, 2, 30))
+    assert answers == [[[len(p)]] * 3 for p in prompts]  # in the prompts' order, n a prompt
+    assert all(r.most == 2 for r in replicas)  # bounded, and used to the bound
+    assert sorted(replicas[0].seeds + replicas[1].seeds) == list(range(100, 130))
+
+
+def test_a_replica_that_does_not_answer_fails_generation_naming_it(monkeypatch):
+    import asyncio
+
+    import ray
+
+    from stages.engines.verl_generate import generate_all
+
+    cancelled = []
+    monkeypatch.setattr(ray, "cancel", lambda ref: cancelled.append(ref))
+    with pytest.raises(TimeoutError, match=r"10.0.0.9:8000 did not answer a request within 0.5 s"):
+        asyncio.run(generate_all([FakeReplica(None, "10.0.0.9:8000")], [[1, 2]], 1, {}, 0, 4, 0.5))
+    assert cancelled
