@@ -25,8 +25,11 @@ def test_a_verl_grpo_stage_spans_both_nodes(multinode_env, tmp_path):
     run = tmp_path / "run"
     hpcr1(env, "submit", str(config), "--cluster", "local-multinode", "--run-dir", str(run))
     sid = "stage2_grpo"
-    wait_for(lambda: manifest(run)[sid]["state"] in ("done", "failed"), sid, timeout=1200,
-             explain=lambda: job_story(env, run, sid))  # fmt: skip
+    try:
+        wait_for(lambda: manifest(run)[sid]["state"] in ("done", "failed"), sid, timeout=1200,
+                 explain=lambda: job_story(env, run, sid))  # fmt: skip
+    finally:  # a job left running would hold the profile's Ray ports on both nodes
+        hpcr1(env, "cancel", str(run), check=False)
     assert manifest(run)[sid]["state"] == "done", job_story(env, run, sid)
     assert json.loads((run / sid / "eval.json").read_text())["n"] == 8
     job_output = "".join(p.read_text() for p in (run / sid / "logs").glob("slurm-*.out"))

@@ -47,6 +47,14 @@ def verl_config(*extra: str, stages=("stage1_sft", "stage2_grpo")) -> dict:
     return config
 
 
+@pytest.fixture(autouse=True)
+def cancel_at_the_end(slurm_env, tmp_path):
+    """A test that fails leaves no job behind: its Ray would hold the profile's ports for the next."""
+    yield
+    if (tmp_path / "run" / "manifest.json").exists():
+        hpcr1(slurm_env, "cancel", str(tmp_path / "run"), check=False)
+
+
 def submit(env, tmp_path: Path, config: dict) -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
