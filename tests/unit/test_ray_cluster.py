@@ -58,6 +58,7 @@ def test_readiness_sees_the_head_and_times_out_naming_missing_nodes(ray_head, ra
     readiness check (the template's `python -m launch.ray_cluster`) sees the head's node."""
     real_token = Path.home() / ".ray" / "auth_token"
     had_token = real_token.exists()
+
     def probe(nodes: str, timeout_s: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "launch.ray_cluster", ray_head, nodes, "0", timeout_s],
