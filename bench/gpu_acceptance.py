@@ -225,7 +225,8 @@ class local_ray_head:
         self.env["RAY_ADDRESS"] = "127.0.0.1:6379"
         # As verl_stage.sbatch starts Ray (why, there): a token in the home changes nothing.
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        self.env["HPCR1_GPUS_PER_NODE"] = str(args.gpus)
+        # What verl_stage.sbatch's job gives the stage driver (launch/verl_job.py reads both).
+        self.env.update(HPCR1_GPUS_PER_NODE=str(args.gpus), SLURM_NNODES="1")
 
     def __enter__(self) -> dict[str, str]:
         ray = [PY, "-m", "ray.scripts.scripts"]

@@ -5,6 +5,7 @@ prints are read from what the checks wrote."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -62,3 +63,20 @@ def test_figures_come_from_what_the_checks_wrote(tmp_path):
     assert {e["backend"] for e in events} == {"nccl", "gloo"}
     problems = [p.split(":")[0] for p in cuda_timing_problems(events)]
     assert problems == ["all_reduce seq 1 rank 0", "all_reduce seq 2 rank 0"]
+
+
+def test_the_verl_check_gives_the_stage_driver_what_a_verl_job_gives_it():
+    """The verl check runs `hpcr1 stage` outside Slurm: its environment must hold what
+    launch/verl_job.py reads from verl_stage.sbatch's job, or the check dies on a KeyError on the GPU."""
+    import argparse
+    import inspect
+
+    from launch import verl_job
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_acceptance import local_ray_head
+
+    env = local_ray_head(argparse.Namespace(gpus=1)).env
+
+    read = set(re.findall(r'os\.environ\["(\w+)"\]', inspect.getsource(verl_job)))
+    assert read and read <= set(env), read - set(env)
