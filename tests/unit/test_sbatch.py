@@ -209,6 +209,24 @@ def test_hostile_profile_values_are_rejected(tmp_path):
         load_profile(str(bad))
 
 
+def test_only_the_test_clusters_run_verl_on_the_cpu_platform_and_a_gpu_profile_cannot(tmp_path):
+    from core.cluster import PROFILES
+    from core.config import ConfigError
+
+    for path in PROFILES.glob("*.yaml"):
+        profile = load_profile(str(path))
+        assert (profile.verl_platform == "cpu") == (profile.gpus_per_node == 0), path.name
+    local = load_profile("local")
+    script = render_verl_script(local, tmp_path / "run", "stage2_grpo", 1)
+    # Ray counts each rank as a GPU, and holds enough logical CPUs for verl's actors
+    assert "--num-gpus=2 --num-cpus=14 --block" in script and "HPCR1_VERL_PLATFORM=cpu" in script
+    assert "--gpus-per-node=0" in script  # asks Slurm for no GPUs
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"name": "bad", "gpus_per_node": 4, "verl_platform": "cpu"}))
+    with pytest.raises(ConfigError, match="gpus_per_node must be 0"):
+        load_profile(str(bad))
+
+
 @pytest.mark.parametrize(
     "constraint", ["gpu;touch /tmp/pwned", "gpu&hbm80g\n#SBATCH --wrap=x", "gpu $(id)", "a`id`"]
 )
