@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -106,37 +108,46 @@ def test_greedy_answers_from_verls_replicas_are_hugging_faces_greedy_answers(ver
     assert answers == expected
 
 
+def rank_pid(log: Path, rank: int) -> int | None:
+    """The pid of verl's FSDP rank `rank`, from its own log line (Ray prefixes it with the pid)."""
+    text = log.read_text() if log.exists() else ""
+    found = re.findall(rf"\(WorkerDict pid=(\d+)[^)]*\).*\[Rank {rank}\] Saved model", text)
+    return int(found[0]) if found else None
+
+
 def test_a_ray_worker_killed_mid_step_fails_the_stage_naming_it(verl_env, tmp_path):
     cfg, run = prepared_run(tmp_path)
     sid = "stage2_grpo"
     stage = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "stage", str(run.root), sid], env=verl_env,
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 600
-        ckpt = run.ckpt(sid) / "global_step_1"
-        while not ckpt.exists():
+        log, metrics = run.logs(sid) / "rank-00000.log", run.stage(sid) / "verl_metrics" / "attempt-001.jsonl"
+        # step 1 done: checkpointed (verl's log names each rank's pid) and logged by the file logger
+        while not (metrics.exists() and metrics.read_text().strip()) or rank_pid(log, 0) is None:
             assert stage.poll() is None and time.monotonic() < deadline, stage.stdout.read()[-5000:]
-            time.sleep(1)
+            time.sleep(0.5)
         # the file logger and wandb of this stage started, from the stage's config, in verl's actors
-        metrics = list((run.stage(sid) / "verl_metrics").glob("attempt-*.jsonl"))
-        assert metrics and json.loads(metrics[0].read_text().splitlines()[0])["step"] == 1
+        assert json.loads(metrics.read_text().splitlines()[0])["step"] == 1
         assert list((run.stage(sid) / "wandb").glob("offline-run-*")), (
             "wandb did not run offline in the stage"
         )
-        ranks = subprocess.run(
-            ["pgrep", "-f", "ray::WorkerDict"], capture_output=True, text=True
-        ).stdout.split()
-        assert ranks, "no verl worker process to kill"
+        pid = rank_pid(log, 0)
+        assert "WorkerDict" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
         killed = time.monotonic()
-        os.kill(int(ranks[0]), 9)
+        os.kill(pid, signal.SIGKILL)
         stage.wait(timeout=180)
         took = time.monotonic() - killed
         print(f"the stage failed {took:.1f} s after its rank was killed")
     finally:
-        if stage.poll() is None:
-            stage.kill()
+        if stage.poll() is None:  # the stage driver and main_ppo under it
+            os.killpg(stage.pid, signal.SIGKILL)
+            stage.wait()
     entry = Manifest(run.root).stage(sid)
     assert entry["state"] == "failed" and took < 180
     # what `hpcr1 status` shows: Ray's word for the death, and which of verl's workers died
-    assert entry["error"]["exception"] == "ActorDiedError" and "WorkerDict" in entry["error"]["message"], entry
+    assert entry["error"]["exception"] == "ActorDiedError" and "WorkerDict" in entry["error"]["message"], (
+        entry
+    )
     assert not run.final(sid).exists()
