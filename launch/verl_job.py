@@ -192,10 +192,10 @@ def _verl_job(run_dir: Path, sid: str, body) -> int:
 
 
 def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
-    overrides = check_verl_stage(cfg, run, sid, *nodes, _platform())
+    overrides, paths = check_verl_stage(cfg, run, sid, *nodes, _platform()), verl_paths(run, sid)
     write_verl_data(cfg, run, sid)
-    env = verl_env(cfg, run, sid, next_metrics_file(verl_paths(run, sid)["metrics"]))
-    if latest_step(verl_paths(run, sid)["ckpt"]) == getattr(cfg, sid).steps:
+    env = verl_env(cfg, run, sid, next_metrics_file(paths["metrics"]))
+    if latest_step(paths["ckpt"]) == getattr(cfg, sid).steps:
         # verl loads that checkpoint and trains no step: only validation before training then scores
         # the final policy (an attempt that died between its last checkpoint and its validation).
         overrides.append("trainer.val_before_train=true")

@@ -24,8 +24,8 @@ from types import ModuleType
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-PLATFORM = "cpu"
-ROLLOUT = "hf"  # the rollout engine on this platform: stages/engines/verl_hf_rollout.py
+from stages.engines.verl_trainer import CPU_PLATFORM as PLATFORM
+from stages.engines.verl_trainer import CPU_ROLLOUT as ROLLOUT  # stages/engines/verl_hf_rollout.py
 
 
 @PlatformRegistry.register(platform=PLATFORM)

@@ -22,40 +22,22 @@ from stages.engines.verl_generation import RESPONSES
 from stages.engines.verl_trainer import compose_verl_config
 
 
-async def start_replicas(config) -> list:
-    """verl's replicas over the job's GPUs, `rollout_tp` each, as main_generation_server starts them."""
-    from verl.workers.rollout.replica import get_rollout_replica_class
-
-    rollout = config.actor_rollout_ref.rollout
-    count = config.trainer.n_gpus_per_node * config.trainer.nnodes // rollout.tensor_model_parallel_size
-    replica_class = get_rollout_replica_class(rollout.name)
-    replicas = [
-        replica_class(
-            replica_rank=rank,
-            config=rollout,
-            model_config=config.actor_rollout_ref.model,
-            gpus_per_node=config.trainer.n_gpus_per_node,
-        )
-        for rank in range(count)
-    ]
-    await asyncio.gather(*(replica.init_standalone() for replica in replicas))
-    return replicas
-
-
 async def generate_all(
-    replicas, prompts: list[list[int]], n: int, sampling: dict, seed: int, in_flight: int, timeout_s: float
-):
-    """`n` answers (token ids) a prompt; answer j of prompt i goes to replica (i*n + j) mod count,
-    sampled with its own seed (an engine seeds every request alike unless told)."""
+    servers: list, addresses: list[str], prompts: list[list[int]], n: int, sampling: dict, seed: int,
+    in_flight: int, timeout_s: float,
+):  # fmt: skip
+    """`n` answers (token ids) a prompt from the replicas' servers (Ray handles) at `addresses`;
+    answer j of prompt i goes to replica (i*n + j) mod count, sampled with its own seed (an engine
+    seeds every request alike unless told)."""
     from tqdm import tqdm
 
-    gates = [asyncio.Semaphore(in_flight) for _ in replicas]
+    gates = [asyncio.Semaphore(in_flight) for _ in servers]
     progress = tqdm(total=len(prompts) * n, desc="generation", unit="answer", file=sys.stderr, mininterval=5)
 
     async def one(index: int, prompt_ids: list[int]) -> list[int]:
-        replica = replicas[index % len(replicas)]
-        async with gates[index % len(replicas)]:
-            ref = replica.server_handle.generate.remote(
+        replica = index % len(servers)
+        async with gates[replica]:
+            ref = servers[replica].generate.remote(
                 prompt_ids=prompt_ids,
                 sampling_params={**sampling, "seed": seed + index},
                 request_id=f"hpcr1-{index}",
@@ -67,7 +49,7 @@ async def generate_all(
 
                 ray.cancel(ref)
                 raise TimeoutError(
-                    f"the rollout replica at {replica.server_address} did not answer a request within "
+                    f"the rollout replica at {addresses[replica]} did not answer a request within "
                     f"{timeout_s:g} s (request_timeout_s)"
                 ) from None
         progress.update()
@@ -98,11 +80,14 @@ def main(argv: list[str]) -> int:
         "top_p": rollout.top_p,
         "max_tokens": rollout.response_length,
     }
+    # verl's own start-up of the replicas (it sets two tokenizer/NCCL variables when imported)
+    from verl.trainer.main_generation_server import start_server
+
     ray.init(runtime_env={"env_vars": env}, logging_level="ERROR")
     try:
-        replicas = asyncio.run(start_replicas(config))
+        servers, addresses = asyncio.run(start_server(config))
         answers = asyncio.run(
-            generate_all(replicas, prompts, rollout.n, sampling, rollout.seed, in_flight, timeout_s)
+            generate_all(servers, addresses, prompts, rollout.n, sampling, rollout.seed, in_flight, timeout_s)
         )
     finally:
         ray.shutdown()

@@ -147,7 +147,6 @@ def verl_metric_rows(folder: Path) -> list[dict]:
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                by_step.pop(row["step"], None)  # re-inserted: the dict stays in the order logged
                 by_step[row["step"]] = row
     return sorted(by_step.values(), key=lambda row: row["step"])
 

@@ -176,6 +176,7 @@ def logger_list(cfg: RunConfig) -> list[str]:
 # --- the CPU test platform and the environment of verl's actors -----------------------------------
 
 CPU_PLATFORM = "cpu"
+CPU_ROLLOUT = "hf"  # the rollout engine stages/engines/verl_cpu.py registers
 
 
 def platform_overrides(platform: str) -> list[str]:
@@ -185,7 +186,7 @@ def platform_overrides(platform: str) -> list[str]:
         return []
     overrides = {
         "trainer.device": "cpu",
-        "actor_rollout_ref.rollout.name": "hf",
+        "actor_rollout_ref.rollout.name": CPU_ROLLOUT,
         # FSDP1 needs a GPU to start (sync_module_states); FSDP2 does not
         "actor_rollout_ref.actor.strategy": "fsdp2",
         "actor_rollout_ref.ref.strategy": "fsdp2",

@@ -304,7 +304,8 @@ def test_generation_holds_at_most_requests_in_flight_a_replica_and_seeds_each_sa
 
     replicas = [FakeReplica(0.01), FakeReplica(0.01, "10.0.0.2:8000")]
     prompts = [[1] * k for k in range(1, 11)]
-    answers = asyncio.run(generate_all(replicas, prompts, 3, {"temperature": 1.0}, 100, 2, 30))
+    servers, addresses = [r.server_handle for r in replicas], [r.server_address for r in replicas]
+    answers = asyncio.run(generate_all(servers, addresses, prompts, 3, {"temperature": 1.0}, 100, 2, 30))
     assert answers == [[[len(p)]] * 3 for p in prompts]  # in the prompts' order, n a prompt
     assert all(r.most == 2 for r in replicas)  # bounded, and used to the bound
     assert sorted(replicas[0].seeds + replicas[1].seeds) == list(range(100, 130))
@@ -320,5 +321,6 @@ def test_a_replica_that_does_not_answer_fails_generation_naming_it(monkeypatch):
     cancelled = []
     monkeypatch.setattr(ray, "cancel", lambda ref: cancelled.append(ref))
     with pytest.raises(TimeoutError, match=r"10.0.0.9:8000 did not answer a request within 0.5 s"):
-        asyncio.run(generate_all([FakeReplica(None, "10.0.0.9:8000")], [[1, 2]], 1, {}, 0, 4, 0.5))
+        silent = FakeReplica(None)
+        asyncio.run(generate_all([silent.server_handle], ["10.0.0.9:8000"], [[1, 2]], 1, {}, 0, 4, 0.5))
     assert cancelled
