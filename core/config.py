@@ -578,7 +578,7 @@ def hf_config_json(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> P
 
 
 def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
-    """Heads, KV heads, layers and vocabulary of the base model, for layout checks."""
+    """Heads, KV heads, layers, vocabulary and tying of the base model, for layout checks."""
     if cfg.model.source == "tiny":
         t = cfg.model.tiny
         # The character tokenizer's vocabulary is padded to 128 (stages/data/tokenizer.py).
@@ -587,11 +587,15 @@ def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
             "num_key_value_heads": t.num_kv_heads,
             "num_hidden_layers": t.num_layers,
             "vocab_size": 128,
+            "tie_word_embeddings": False,
         }
     hf = json.loads(hf_config_json(cfg, base, shape_will_do).read_text())
     return {
-        k: hf.get(k, hf.get("num_attention_heads"))
-        for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
+        **{
+            k: hf.get(k, hf.get("num_attention_heads"))
+            for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
+        },
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
 
 
@@ -648,11 +652,7 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
             f"{sid}.parallel.pp", f"{p.pp} does not divide the model's layers ({dims['num_hidden_layers']})"
         )
     if p.pp > 1:
-        raise ConfigError(
-            f"{sid}.parallel.pp",
-            "pipeline-parallel SFT training is not implemented yet "
-            "(PP=2 conversion and forward are); use tp and data parallelism",
-        )
+        _check_pipeline(sid, p, dims)
     if p.zero_stage == 3:
         raise ConfigError(
             f"{sid}.parallel.zero_stage",
@@ -664,6 +664,26 @@ def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:
             f"{sid}.global_batch_size",
             f"{s.global_batch_size} is not a multiple of "
             f"micro_batch_size * data-parallel size ({s.micro_batch_size} * {dp})",
+        )
+
+
+def _check_pipeline(sid: str, p: ParallelConfig, dims: dict) -> None:
+    """Pipeline stages run their backward under megatron's schedule, outside DeepSpeed's engine:
+    what DeepSpeed does inside its own backward cannot run (as its PipelineEngine, ZeRO 0 or 1)."""
+    if p.zero_stage > 1:
+        raise ConfigError(
+            f"{sid}.parallel.zero_stage",
+            f"ZeRO-{p.zero_stage} partitions gradients inside DeepSpeed's backward, which pp > 1 does "
+            "not run; use 0 or 1 (ZeRO-1 shards the optimizer states, as Megatron-DeepSpeed does)",
+        )
+    if p.overlap_comm:
+        raise ConfigError(
+            f"{sid}.parallel.overlap_comm", "reduces in DeepSpeed's backward hooks, which pp > 1 does not run"
+        )
+    if dims.get("tie_word_embeddings"):
+        raise ConfigError(
+            f"{sid}.parallel.pp",
+            "a model whose output layer is its embedding (tie_word_embeddings) cannot be split: use pp=1",
         )
 
 

@@ -62,7 +62,8 @@ def run(ctx: StageContext) -> None:
         local = batch[engine.dp_rank :: engine.dp_size]
         loss_tokens = count_loss_tokens(batch)
         stats = engine.train_step(
-            micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size), loss_tokens
+            micro_batches(local, tokenizer.pad_token_id, stage.micro_batch_size, one_shape=engine.pipelined),
+            loss_tokens,
         )
         tokens = sum(len(s.input_ids) - 1 for s in batch)
         return {**stats, "loss_tokens": loss_tokens}, {"tokens": tokens, "samples": len(batch)}

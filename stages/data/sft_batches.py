@@ -124,16 +124,17 @@ class GlobalBatchOrder:
         return self._perm
 
 
-def micro_batches(samples: list[Sample], pad_id: int, micro_batch_size: int) -> list[MicroBatch]:
+def micro_batches(
+    samples: list[Sample], pad_id: int, micro_batch_size: int, one_shape: bool = False
+) -> list[MicroBatch]:
     """Split into micro-batches of samples of similar length, each padded (on the right) only to its
     own longest: the samples are sorted by length first. Curated sets mix short and long solutions,
     and padding every micro-batch to the longest sample spent much of the step on padding; the loss
-    and gradient of the step are sums over the same samples either way."""
+    and gradient of the step are sums over the same samples either way. `one_shape`: all padded to
+    the longest of `samples` (pipeline stages exchange activations of one shape)."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
-    return [
-        _collate(chunk, pad_id, len(chunk[0].input_ids) - 1)
-        for chunk in (ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size))
-    ]
+    chunks = [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]
+    return [_collate(c, pad_id, len((ordered if one_shape else c)[0].input_ids) - 1) for c in chunks]
 
 
 def _collate(samples: list[Sample], pad_id: int, length: int) -> MicroBatch:

@@ -1,6 +1,10 @@
-"""The SFT engine: a megatron-core Llama (tensor parallel) wrapped by DeepSpeed ZeRO over the
-data-parallel group — the Megatron-DeepSpeed pattern. Weights come in and go out as Hugging Face
-directories; everything in between is megatron layout.
+"""The SFT engine: a megatron-core Llama (tensor and pipeline parallel) wrapped by DeepSpeed ZeRO
+over the data-parallel group — the Megatron-DeepSpeed pattern. Weights come in and go out as
+Hugging Face directories; everything in between is megatron layout.
+
+With pipeline stages (pp > 1) megatron-core's 1F1B schedule runs the forward and backward of a
+step's micro-batches (stages/engines/pipeline.py) and DeepSpeed then reduces the gradients over
+the data-parallel group and steps, as DeepSpeed's own PipelineEngine does (ZeRO 0 or 1).
 
 Loss normalisation: every rank divides its summed token losses by the token count of the whole
 global batch (times the data-parallel size, which DeepSpeed's gradient averaging divides out), so
@@ -26,6 +30,7 @@ from runtime.dist import collective_timeout, rank_device
 from runtime.phases import phase
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
+from stages.engines.pipeline import PhaseTimers, pipeline_step
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron
 from stages.models.megatron_llama import build_megatron_llama
 
@@ -33,19 +38,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class MegatronMpu:
-    """The model-parallel interface DeepSpeed asks for, answered by megatron-core's parallel_state
-    (DeepSpeed says 'model parallel' where megatron says 'tensor model parallel')."""
+    """The model-parallel interface DeepSpeed asks for, answered by megatron-core's parallel_state.
+    'Model parallel' is tensor x pipeline, as in Megatron-DeepSpeed: DeepSpeed sums the gradient
+    norm over that group (counting a tensor-parallel replica once, by its tensor rank) and names
+    checkpoint files by that rank, so each pipeline stage writes files of its own."""
 
     get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
     get_tensor_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
     get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
     get_tensor_model_parallel_src_rank = staticmethod(parallel_state.get_tensor_model_parallel_src_rank)
-    get_model_parallel_rank = get_tensor_model_parallel_rank
-    get_model_parallel_world_size = get_tensor_model_parallel_world_size
-    get_model_parallel_group = get_tensor_model_parallel_group
+    get_model_parallel_group = staticmethod(parallel_state.get_model_parallel_group)
     get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
     get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
     get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+
+    @staticmethod
+    def get_model_parallel_rank() -> int:
+        return dist.get_rank(parallel_state.get_model_parallel_group())
+
+    @staticmethod
+    def get_model_parallel_world_size() -> int:
+        return dist.get_world_size(parallel_state.get_model_parallel_group())
 
     @staticmethod
     def get_sequence_parallel_world_size() -> int:
@@ -67,12 +80,15 @@ def warmup_cosine(stage: SFTStage):
 
 def deepspeed_config(stage: SFTStage, dp_size: int) -> dict:
     micro_steps, p = stage.global_batch_size // (stage.micro_batch_size * dp_size), stage.parallel
+    # Under pp > 1 the schedule runs backward, outside the engine: ZeRO-1 then reduces each
+    # parameter's gradient at the step, without the contiguous buckets its backward would fill.
+    pipelined = {"contiguous_gradients": False} if p.pp > 1 else {}
     return {
         "train_batch_size": stage.global_batch_size,
         "train_micro_batch_size_per_gpu": stage.micro_batch_size,
         "gradient_accumulation_steps": micro_steps,
         "gradient_clipping": stage.grad_clip,
-        "zero_optimization": {"stage": p.zero_stage, "overlap_comm": p.overlap_comm},
+        "zero_optimization": {"stage": p.zero_stage, "overlap_comm": p.overlap_comm, **pipelined},
         "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": stage.dtype == "bf16"},
         "steps_per_print": 1 << 30,
@@ -84,7 +100,7 @@ class MegatronDeepSpeedEngine:
     def __init__(self, hf_dir: Path, stage: SFTStage, seed: int):
         apply_cpu_shim()
         self.device = rank_device()
-        p = stage.parallel  # pp == 1 and zero_stage < 3: checked by the config
+        p = stage.parallel  # zero_stage < 3, and < 2 with pp > 1: checked by the config
         # megatron gives its groups a timeout of its own (30 min): the stage's bound, where it has one.
         timeout = collective_timeout()
         parallel_state.initialize_model_parallel(
@@ -97,7 +113,10 @@ class MegatronDeepSpeedEngine:
         # Initialised although every weight is overwritten: only megatron's init functions mark
         # the tensor-parallel weights, and the grad norm (clipping) sums the marked ones over the
         # TP ranks but counts an unmarked one once, as if it were replicated.
-        model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype])
+        self.pipelined = p.pp > 1
+        # The schedule's loss is ours as it is (per token, scaled below), its timers our phases.
+        schedule = {"calculate_per_token_loss": True, "timers": PhaseTimers()} if self.pipelined else {}
+        model = build_megatron_llama(self.hf_config, params_dtype=DTYPES[stage.dtype], **schedule)
         load_hf_into_megatron(model, hf_dir, self.hf_config)
         decay, no_decay = _decay_groups(model)
         optimizer = torch.optim.AdamW(
@@ -121,6 +140,21 @@ class MegatronDeepSpeedEngine:
 
     def train_step(self, micro_batches: list[MicroBatch], global_loss_tokens: int) -> dict:
         """Forward/backward every micro-batch of this rank, then one optimizer step."""
+        if self.pipelined:
+            loss_sum = self._pipelined_forward_backward(micro_batches, global_loss_tokens)
+        else:
+            loss_sum = self._forward_backward(micro_batches, global_loss_tokens)
+        with phase("metrics"):
+            dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
+            if self.pipelined:  # the loss is the last stage's: the others add zero
+                dist.all_reduce(loss_sum, group=parallel_state.get_pipeline_model_parallel_group())
+        return {
+            "loss": loss_sum.item() / global_loss_tokens,
+            "grad_norm": _as_float(self.engine.get_global_grad_norm()),
+            "lr": self.engine.get_lr()[0],
+        }
+
+    def _forward_backward(self, micro_batches: list[MicroBatch], global_loss_tokens: int) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.device)
         for mb in (m.to(self.device) for m in micro_batches):
             with phase("forward"):
@@ -136,13 +170,18 @@ class MegatronDeepSpeedEngine:
             with phase("optimizer"):
                 self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             loss_sum += local.detach()
-        with phase("metrics"):
-            dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
-        return {
-            "loss": loss_sum.item() / global_loss_tokens,
-            "grad_norm": _as_float(self.engine.get_global_grad_norm()),
-            "lr": self.engine.get_lr()[0],
-        }
+        return loss_sum
+
+    def _pipelined_forward_backward(self, micro_batches: list[MicroBatch], global_loss_tokens: int):
+        loss_sum = pipeline_step(
+            self.engine.module, micro_batches, self.device, self.dp_size / global_loss_tokens
+        )
+        self.engine.set_gradient_accumulation_boundary(True)
+        with phase("backward"):  # the data-parallel reduction, where DeepSpeed's backward would do it
+            self.engine.allreduce_gradients()
+        with phase("optimizer"):
+            self.engine.step()
+        return loss_sum
 
     def save(self, directory: Path, trainer_state: dict) -> None:
         """Engine-native sharded checkpoint (model, optimizer, scheduler) plus this rank's RNG state

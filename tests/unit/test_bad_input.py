@@ -3,6 +3,7 @@ written (the run directory is not even created)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,14 @@ BAD_CONFIGS = {
     "pp does not divide layers": (
         _with(model__tiny__num_layers=3, stage1_sft__parallel={"pp": 2}),
         "stage1_sft.parallel.pp",
+    ),
+    "ZeRO-2 under pipeline stages": (
+        _with(stage1_sft__parallel={"pp": 2, "zero_stage": 2}),
+        "stage1_sft.parallel.zero_stage",
+    ),
+    "overlap_comm under pipeline stages": (
+        _with(stage1_sft__parallel={"pp": 2, "overlap_comm": True}),
+        "stage1_sft.parallel.overlap_comm",
     ),
     "batch not a multiple of micro*dp": (
         _with(stage1_sft__global_batch_size=48),
@@ -165,3 +174,15 @@ def test_bad_data_file_exits_2_naming_the_line(case, tmp_path, capsys):
     rc, err = _cli_on(tmp_path, cfg, capsys=capsys)
     assert rc == 2, err
     assert f"bad.jsonl{where}" in err or (where == "bad.jsonl" and "bad.jsonl" in err), err
+
+
+def test_a_tied_model_cannot_be_split_into_pipeline_stages(tmp_path, capsys):
+    """megatron keeps a second copy of a tied embedding on the last stage, which only megatron's own
+    training loop keeps equal to the first stage's: refused before any rank starts."""
+    model = tmp_path / "tied"
+    model.mkdir()
+    dims = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 128}
+    (model / "config.json").write_text(json.dumps({**dims, "tie_word_embeddings": True}))
+    text = _with(model={"source": "hf", "path": str(model)}, stage1_sft__parallel={"pp": 2})
+    rc, err = _cli_on(tmp_path, text, capsys=capsys)
+    assert rc == 2 and "stage1_sft.parallel.pp" in err and "tie_word_embeddings" in err, err
