@@ -95,7 +95,8 @@ def finish(ctx: StageContext, engine, init_dir) -> None:
         # Left by an attempt that died while exporting: its files must not mix with these.
         shutil.rmtree(staging, ignore_errors=True)
     dist.barrier()
-    engine.export_hf(staging, tokenizer_dir=init_dir)
+    with phase("export"):  # its gathers are the stage's too, not the last step's
+        engine.export_hf(staging, tokenizer_dir=init_dir)
     if ctx.is_main:
         if final.exists():
             shutil.rmtree(final)
