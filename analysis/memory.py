@@ -60,34 +60,33 @@ B_TEXT = "5e8"
 ADAM_STEP_TEMPORARY = 4
 
 ASSUMPTIONS = (
-    "SFT: megatron-core with TP within a node and PP over pp stages, DeepSpeed ZeRO 0-2 over "
-    "dp = N/(tp·pp), in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
+    "SFT: megatron-core with TP within a node and PP over pp stages, DeepSpeed ZeRO 0-2 over dp = "
+    "N/(tp·pp), in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
     "fp32 under ZeRO 1-2: also 12, DeepSpeed steps an fp32 partition of its own), megatron's local "
-    "(unfused) attention. DeepSpeed runs as our deepspeed_config leaves it, at ZeRO's defaults "
-    "(deepspeed/runtime/zero/config.py): gradients in the model's dtype (no grad_accum_dtype, so not "
-    "DeepSpeed's bf16 optimizer with fp32 gradient accumulation), ZeRO 1-2 fill one bucket of 5e8 "
-    "gradient elements (1 GB in bf16; two with parallel.overlap_comm) and all-reduce a flattened "
-    "copy of it; its "
-    "optimizer step is a phase of its own, holding besides the weights and states the stepped "
-    "gradients, their flat fp32 copy and AdamW's sqrt(v): 10 bytes a stepped parameter in bf16 "
-    "(P/tp/dp of them under ZeRO 1-2). With pp > 1 (ZeRO 0 or 1 only, no overlap_comm, untied "
-    "embeddings, pp dividing L: core/config.py) each rank builds its stage, L/pp layers, the "
-    "embedding on the first stage (P_first) and the output layer and final norm on the last (P_last), "
-    "whose weights, gradients and states replace P's; megatron's 1F1B schedule runs a step's "
-    "M = global_batch_size/(micro_batch_size·dp) micro-batches, stage i keeping the activations of "
-    "min(pp - i, M) of them (its L/pp layers each) and the last stage the logits of one; then "
-    "DeepSpeed reduces the gradients without contiguous buckets (our deepspeed_config), ZeRO-1 as "
-    "ZeRO-0 does, through flattened copies of up to 5e8 of them (counted with the activations: an "
-    "overestimate, the reduction follows the schedule), and ZeRO-1's optimizer step frees them once "
-    "flattened: it holds the flat fp32 copy and AdamW's sqrt(v), 8 bytes a stepped parameter. "
-    "The plan counts the heavier of the first and "
-    "last stage (the stages between hold less). Not counted: the CUDA context, NCCL's buffers and the "
-    "allocator's fragmentation (the tenth of a GPU left unplanned), nor DeepSpeed's flattening of the "
-    "weights at start, done on the GPU only when a second copy fits there. These terms are checked "
-    "against the engines on the emulated accelerator by bench/plan_vs_engines.py. "
-    "Its final eval is a phase of its own after training: "
-    "eval.engine native loads the whole model in the stage's dtype on every rank (stages/eval.py) with "
-    "the KV cache of eval.batch_size sequences; eval.engine verl is a vLLM server as synthesis's.",
+    "(unfused) attention; the logits in the model's dtype beside megatron's fp32 copy for the loss, whose"
+    " softmax becomes their gradient in place (c + 4 bytes a logit, 4 in fp32). DeepSpeed runs as our "
+    "deepspeed_config leaves it, at ZeRO's defaults (deepspeed/runtime/zero/config.py): gradients in the "
+    "model's dtype (no grad_accum_dtype, so not DeepSpeed's bf16 optimizer with fp32 gradient "
+    "accumulation), ZeRO 1-2 fill one bucket of 5e8 gradient elements (1 GB in bf16; two with "
+    "parallel.overlap_comm) and all-reduce a flattened copy of it; its optimizer step is a phase of its "
+    "own, holding besides the weights and states the stepped gradients, their flat fp32 copy and AdamW's "
+    "sqrt(v): 10 bytes a stepped parameter in bf16 (P/tp/dp of them under ZeRO 1-2). With pp > 1 (ZeRO 0 "
+    "or 1 only, no overlap_comm, untied embeddings, pp dividing L: core/config.py) each rank builds its "
+    "stage, L/pp layers, the embedding on the first stage (P_first) and the output layer and final norm "
+    "on the last (P_last), whose weights, gradients and states replace P's; megatron's 1F1B schedule runs"
+    " a step's M = global_batch_size/(micro_batch_size·dp) micro-batches, stage i keeping the activations"
+    " of min(pp - i, M) of them (its L/pp layers each) and the last stage the logits of one; then "
+    "DeepSpeed reduces the gradients without contiguous buckets (our deepspeed_config), ZeRO-1 as ZeRO-0 "
+    "does, through flattened copies of up to 5e8 of them (counted with the activations: an overestimate, "
+    "the reduction follows the schedule), and ZeRO-1's optimizer step frees them once flattened: it holds"
+    " the flat fp32 copy and AdamW's sqrt(v), 8 bytes a stepped parameter. The plan counts the heavier of"
+    " the first and last stage (the stages between hold less). Not counted: the CUDA context, NCCL's "
+    "buffers and the allocator's fragmentation (the tenth of a GPU left unplanned), nor DeepSpeed's "
+    "flattening of the weights at start, done on the GPU only when a second copy fits there. These terms "
+    "are checked against the engines on the emulated accelerator by bench/plan_vs_engines.py. Its final "
+    "eval is a phase of its own after training: eval.engine native loads the whole model in the stage's "
+    "dtype on every rank (stages/eval.py) with the KV cache of eval.batch_size sequences; eval.engine "
+    "verl is a vLLM server as synthesis's.",
     "GRPO on verl 0.9.1 (backend fsdp, hybrid engine: actor, reference and vLLM rollout colocated on "
     "each GPU), as its source does it: the actor is FSDP over N in fp32 (fsdp_config.model_dtype fp32, "
     "trainer/config/engine/fsdp.yaml), 4+4+8 bytes a parameter sharded; gradients exist only inside "
@@ -306,21 +305,32 @@ def activations(
     recompute: bool,
     held: tuple[float, str] | None = None,
     logits: bool = True,
+    megatron_loss: bool = False,
 ) -> Term:
     """The saved activations of `held` layers (count, how it is written; all L by default): with
     recomputation each layer's input, plus one layer's activations while it is recomputed. With
-    `logits`, also the logits: the model's (c bytes), their fp32 copy for the loss and its gradient
-    (8 bytes), split over TP by the vocabulary-parallel output layer."""
+    `logits`, also the logits (logit_bytes), split over TP by the vocabulary-parallel output layer."""
     layers, count = held or (m.layers, "L")
     scores = " + 2·a·s" if attention_scores else ""
     div = "/tp" if tp > 1 else ""
     layer = f"b·s·c·(4h + (2h + 2kv + 4f{scores}){div})" if tp > 1 else f"b·s·c·(6h + 2kv + 4f{scores})"
     saved = f"{count}·b·s·c·h + {layer}" if recompute else f"{count}·{layer}"
-    out = f" + b·s·V·(c+8){div}" if logits else ""
+    per_logit, per_text = logit_bytes(c, megatron_loss)
+    out = f" + b·s·V·{per_text}{div}" if logits else ""
     formula = f"{saved}{out}  [b={b}, s={s}, c={c}]"
     one_layer = layer_activation_bytes(m, b, s, c, tp, attention_scores)
     kept = layers * b * s * c * m.hidden + one_layer if recompute else layers * one_layer
-    return Term("activations", formula, kept + logits * b * s * m.vocab * (c + 8) / tp)
+    return Term("activations", formula, kept + logits * b * s * m.vocab * per_logit / tp)
+
+
+def logit_bytes(c: int, megatron_loss: bool) -> tuple[int, str]:
+    """Bytes a logit holds at the loss: the model's (c), their fp32 copy for the loss and its
+    gradient (8). megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py) takes
+    its fp32 copy (in fp32, the logits themselves), exponentiates it in place, saves it and turns it
+    into the gradient in place: c + 4, or 4 in fp32 (checked: bench/plan_vs_engines.py ds-pp2-logits)."""
+    if not megatron_loss:
+        return c + 8, "(c+8)"
+    return (c + 4, "(c+4)") if c < 4 else (4, "4")
 
 
 def kv_cache(m: LlamaShape, sequences: float, per_gpu: str, s: int, c: int) -> Term:
@@ -408,11 +418,12 @@ def stage_activations(m: LlamaShape, s: SFTStage, layout: Layout, c: int, stage:
     stage the most; the last stage also the logits, of one micro-batch at a time."""
     b, seq, tp, recompute = s.micro_batch_size, s.max_seq_len, layout.tp, layout.recompute
     if layout.pp == 1:
-        return activations(m, b, seq, c, tp, True, recompute)
+        return activations(m, b, seq, c, tp, True, recompute, megatron_loss=True)
     M = max(1, s.global_batch_size // (b * layout.dp))
     k = min(layout.pp - stage, M)
     held = (k * (m.layers // layout.pp), f"{k}·L/pp")
-    term = activations(m, b, seq, c, tp, True, recompute, held, logits=stage == layout.pp - 1)
+    last = stage == layout.pp - 1
+    term = activations(m, b, seq, c, tp, True, recompute, held, logits=last, megatron_loss=True)
     flight = f", {k} = min(pp - {stage}, M) in flight, M={M}"
     return replace(term, formula=term.formula[:-1] + flight + "]")
 

@@ -86,7 +86,7 @@ def sft_70b_tp4_zero2(n: int, micro: int, recompute: bool, pp: int = 1) -> tuple
     P, L, h, kv, f, a, V, s, tp = P_70B, L_70B, H_70B, KV_70B, F_70B, A_70B, V_70B, 1024, 4
     one_layer = micro * s * 2 * (4 * h + (2 * h + 2 * kv + 4 * f + 2 * a * s) / tp)
     layers = L * micro * s * 2 * h + one_layer if recompute else L * one_layer
-    activations = layers + micro * s * V * 10 / tp
+    activations = layers + micro * s * V * (2 + 4) / tp  # megatron's loss: bf16 logits, fp32 copy
     training = 2 * P / (tp * pp) + 14 * P / n + 2 * 5e8 * 2 + activations
     step = 2 * P / (tp * pp) + (12 + 2 + 4 + 4) * P / n
     return training, step

@@ -186,7 +186,7 @@ def test_pipeline_stages_hold_their_layers_and_1f1b_keeps_the_first_stage_busies
     ]
     assert sum(stage_params(SHAPE, 8, i) for i in range(8)) == stage_params(SHAPE, 1, 0) == P
     one = activations(SHAPE, 1, 64, 2, 1, True, False, held=(1, "1"), logits=False).bytes
-    logits = activations(SHAPE, 1, 64, 2, 1, True, False).bytes - SHAPE.layers * one
+    logits = activations(SHAPE, 1, 64, 2, 1, True, False, megatron_loss=True).bytes - SHAPE.layers * one
     first, last = pipeline_phases(4, 0, 8), pipeline_phases(4, 3, 8)
     assert first["activations"] == pytest.approx(4 * 2 * one)  # pp micro-batches of 2 layers
     assert last["activations"] == pytest.approx(2 * one + logits)
