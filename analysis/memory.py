@@ -5,7 +5,8 @@ so the plan can show where each number comes from.
 Symbols: P parameters, L layers, h hidden, kv key/value width (KV heads x head_dim), f FFN width,
 a query heads, V vocabulary, b sequences per micro-batch, s tokens per sequence, tp tensor-parallel
 size, pp pipeline-parallel size, dp data-parallel size, N GPUs of the stage; w/g/o bytes per
-parameter of weights, gradients and optimizer states, c bytes per activation element.
+parameter of weights, gradients and optimizer states, c bytes per activation element; P_first and
+P_last the parameters of SFT's first and last pipeline stage, M the micro-batches of a step.
 
 What each stage is assumed to run is ASSUMPTIONS, printed with every plan.
 """
@@ -59,24 +60,33 @@ B_TEXT = "5e8"
 ADAM_STEP_TEMPORARY = 4
 
 ASSUMPTIONS = (
-    "SFT: megatron-core with TP within a node (PP planned, not implemented: see the last item) and "
-    "DeepSpeed ZeRO 0-2 over "
-    "dp = N/tp, in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
+    "SFT: megatron-core with TP within a node and PP over pp stages, DeepSpeed ZeRO 0-2 over dp = "
+    "N/(tp·pp), in the stage's dtype (bf16: fp32 master weights and Adam states, 12 bytes a parameter; "
     "fp32 under ZeRO 1-2: also 12, DeepSpeed steps an fp32 partition of its own), megatron's local "
-    "(unfused) attention. DeepSpeed runs as our deepspeed_config leaves it, at ZeRO's defaults "
-    "(deepspeed/runtime/zero/config.py): gradients in the model's dtype (no grad_accum_dtype, so not "
-    "DeepSpeed's bf16 optimizer with fp32 gradient accumulation), ZeRO 1-2 fill one bucket of 5e8 "
-    "gradient elements (1 GB in bf16; two with parallel.overlap_comm) and all-reduce a flattened "
-    "copy of it; its "
-    "optimizer step is a phase of its own, holding besides the weights and states the stepped "
-    "gradients, their flat fp32 copy and AdamW's sqrt(v): 10 bytes a stepped parameter in bf16 "
-    "(P/tp/dp of them under ZeRO 1-2). Not counted: the CUDA context, NCCL's buffers and the "
-    "allocator's fragmentation (the tenth of a GPU left unplanned), nor DeepSpeed's flattening of the "
-    "weights at start, done on the GPU only when a second copy fits there. These terms are checked "
-    "against the engines on the emulated accelerator by bench/plan_vs_engines.py. "
-    "Its final eval is a phase of its own after training: "
-    "eval.engine native loads the whole model in the stage's dtype on every rank (stages/eval.py) with "
-    "the KV cache of eval.batch_size sequences; eval.engine verl is a vLLM server as synthesis's.",
+    "(unfused) attention; the logits in the model's dtype beside megatron's fp32 copy for the loss, whose"
+    " softmax becomes their gradient in place (c + 4 bytes a logit, 4 in fp32). DeepSpeed runs as our "
+    "deepspeed_config leaves it, at ZeRO's defaults (deepspeed/runtime/zero/config.py): gradients in the "
+    "model's dtype (no grad_accum_dtype, so not DeepSpeed's bf16 optimizer with fp32 gradient "
+    "accumulation), ZeRO 1-2 fill one bucket of 5e8 gradient elements (1 GB in bf16; two with "
+    "parallel.overlap_comm) and all-reduce a flattened copy of it; its optimizer step is a phase of its "
+    "own, holding besides the weights and states the stepped gradients, their flat fp32 copy and AdamW's "
+    "sqrt(v): 10 bytes a stepped parameter in bf16 (P/tp/dp of them under ZeRO 1-2). With pp > 1 (ZeRO 0 "
+    "or 1 only, no overlap_comm, untied embeddings, pp dividing L: core/config.py) each rank builds its "
+    "stage, L/pp layers, the embedding on the first stage (P_first) and the output layer and final norm "
+    "on the last (P_last), whose weights, gradients and states replace P's; megatron's 1F1B schedule runs"
+    " a step's M = global_batch_size/(micro_batch_size·dp) micro-batches, stage i keeping the activations"
+    " of min(pp - i, M) of them (its L/pp layers each) and the last stage the logits of one; then "
+    "DeepSpeed reduces the gradients without contiguous buckets (our deepspeed_config), ZeRO-1 as ZeRO-0 "
+    "does, through flattened copies of up to 5e8 of them (counted with the activations: an overestimate, "
+    "the reduction follows the schedule), and ZeRO-1's optimizer step frees them once flattened: it holds"
+    " the flat fp32 copy and AdamW's sqrt(v), 8 bytes a stepped parameter. The plan counts the heavier of"
+    " the first and last stage (the stages between hold less). Not counted: the CUDA context, NCCL's "
+    "buffers and the allocator's fragmentation (the tenth of a GPU left unplanned), nor DeepSpeed's "
+    "flattening of the weights at start, done on the GPU only when a second copy fits there. These terms "
+    "are checked against the engines on the emulated accelerator by bench/plan_vs_engines.py. Its final "
+    "eval is a phase of its own after training: eval.engine native loads the whole model in the stage's "
+    "dtype on every rank (stages/eval.py) with the KV cache of eval.batch_size sequences; eval.engine "
+    "verl is a vLLM server as synthesis's.",
     "GRPO on verl 0.9.1 (backend fsdp, hybrid engine: actor, reference and vLLM rollout colocated on "
     "each GPU), as its source does it: the actor is FSDP over N in fp32 (fsdp_config.model_dtype fp32, "
     "trainer/config/engine/fsdp.yaml), 4+4+8 bytes a parameter sharded; gradients exist only inside "
@@ -146,10 +156,9 @@ ASSUMPTIONS = (
     "checkpoint (memory-mapped); today's native synth loader reads the whole model on every rank; vLLM "
     "reads its TP shard. Offloaded states are pinned host memory of every rank of the node.",
     "SFT's CPU offload moves the optimizer states (with bf16, the fp32 master weights) to host memory; "
-    "recompute is full activation recomputation; pipeline parallelism splits the layers over pp "
-    "stages (each rank's weights, gradients and states P/tp/pp; under 1F1B the first stage keeps pp "
-    "micro-batches of L/pp layers, L layers' worth, and the logits are counted too). None is an SFT "
-    "config option yet: a plan that needs them says so in its layout (+offload, +recompute, ppN).",
+    "recompute is full activation recomputation (each in-flight micro-batch keeps its layers' inputs). "
+    "Neither is an SFT config option yet: a plan that needs them says so in its layout (+offload, "
+    "+recompute).",
 )
 
 
@@ -178,7 +187,7 @@ class Layout:
     param_offload: bool = False
     """Parameters (and gradients) live in host memory outside their use (verl param_offload)."""
     pp: int = 1
-    """Pipeline-parallel size (verl's megatron actor)."""
+    """Pipeline-parallel size (SFT's megatron-core, verl's megatron actor)."""
     megatron: bool = False
     """GRPO on verl's megatron backend: tp and pp are the actor's (the rollout's TP is the stage's
     verl.rollout_tp), dp = N/(tp·pp)."""
@@ -241,17 +250,40 @@ def model_split(layout: Layout) -> str:
     return "/tp" * (layout.tp > 1) + "/pp" * (layout.pp > 1)
 
 
-def training_states(P: int, prec: Precision, layout: Layout) -> list[Term]:
+@dataclass(frozen=True)
+class Share:
+    """The parameters one rank holds before ZeRO divides their states: its pipeline stage's, split
+    over TP."""
+
+    params: float
+    symbol: str
+    """P, or P_first / P_last: the first or last pipeline stage's parameters."""
+    split: str
+    """/tp, /pp, both or neither."""
+
+    def text(self, per_param: str | int = "") -> str:
+        """`per_param` bytes a parameter of the share: P·2/tp/pp."""
+        return f"{self.symbol}·{per_param}{self.split}" if per_param != "" else self.symbol + self.split
+
+
+def uniform_share(P: float, layout: Layout) -> Share:
+    """P split evenly over tp·pp (verl's megatron actor: its stages' embeddings not told apart)."""
+    return Share(P / (layout.tp * layout.pp), "P", model_split(layout))
+
+
+def training_states(P: int, prec: Precision, layout: Layout, share: Share | None = None) -> list[Term]:
     """Weights, gradients and optimizer states of one GPU under TP, PP and ZeRO (offloaded optimizer
-    states are 0 here: they are counted in host memory)."""
-    t, dp, z = layout.tp * layout.pp, max(layout.dp, 1), layout.zero
-    tp = model_split(layout)
+    states are 0 here: they are counted in host memory); `share` the rank's parameters, P/tp/pp
+    unless given."""
+    share = share or uniform_share(P, layout)
+    dp, z, n = max(layout.dp, 1), layout.zero, share.params
     (wd, wn), (gd, gn), (od, on) = _shard(z, 3, dp), _shard(z, 2, dp), _shard(z, 1, dp)
-    optimizer = 0.0 if layout.offload else P * prec.optimizer / (t * on)
+    optimizer = 0.0 if layout.offload else n * prec.optimizer / on
+    held = f"{share.text(prec.optimizer)}{od}"
     return [
-        Term("weights", f"P·{prec.weight}{tp}{wd}", P * prec.weight / (t * wn)),
-        Term("gradients", f"P·{prec.grad}{tp}{gd}", P * prec.grad / (t * gn)),
-        Term("optimizer", "0 (offloaded)" if layout.offload else f"P·{prec.optimizer}{tp}{od}", optimizer),
+        Term("weights", f"{share.text(prec.weight)}{wd}", n * prec.weight / wn),
+        Term("gradients", f"{share.text(prec.grad)}{gd}", n * prec.grad / gn),
+        Term("optimizer", "0 (offloaded)" if layout.offload else held, optimizer),
     ]
 
 
@@ -264,19 +296,41 @@ def layer_activation_bytes(m: LlamaShape, b: int, s: int, c: int, tp: int, atten
 
 
 def activations(
-    m: LlamaShape, b: int, s: int, c: int, tp: int, attention_scores: bool, recompute: bool
+    m: LlamaShape,
+    b: int,
+    s: int,
+    c: int,
+    tp: int,
+    attention_scores: bool,
+    recompute: bool,
+    held: tuple[float, str] | None = None,
+    logits: bool = True,
+    megatron_loss: bool = False,
 ) -> Term:
-    """All layers' saved activations (with recomputation: each layer's input, plus one layer's
-    activations while it is recomputed) and the logits: the model's (c bytes), their fp32 copy for
-    the loss and its gradient (8 bytes), split over TP by the vocabulary-parallel output layer."""
+    """The saved activations of `held` layers (count, how it is written; all L by default): with
+    recomputation each layer's input, plus one layer's activations while it is recomputed. With
+    `logits`, also the logits (logit_bytes), split over TP by the vocabulary-parallel output layer."""
+    layers, count = held or (m.layers, "L")
     scores = " + 2·a·s" if attention_scores else ""
     div = "/tp" if tp > 1 else ""
     layer = f"b·s·c·(4h + (2h + 2kv + 4f{scores}){div})" if tp > 1 else f"b·s·c·(6h + 2kv + 4f{scores})"
-    saved = f"L·b·s·c·h + {layer}" if recompute else f"L·{layer}"
-    formula = f"{saved} + b·s·V·(c+8){div}  [b={b}, s={s}, c={c}]"
+    saved = f"{count}·b·s·c·h + {layer}" if recompute else f"{count}·{layer}"
+    per_logit, per_text = logit_bytes(c, megatron_loss)
+    out = f" + b·s·V·{per_text}{div}" if logits else ""
+    formula = f"{saved}{out}  [b={b}, s={s}, c={c}]"
     one_layer = layer_activation_bytes(m, b, s, c, tp, attention_scores)
-    kept = m.layers * b * s * c * m.hidden + one_layer if recompute else m.layers * one_layer
-    return Term("activations", formula, kept + b * s * m.vocab * (c + 8) / tp)
+    kept = layers * b * s * c * m.hidden + one_layer if recompute else layers * one_layer
+    return Term("activations", formula, kept + logits * b * s * m.vocab * per_logit / tp)
+
+
+def logit_bytes(c: int, megatron_loss: bool) -> tuple[int, str]:
+    """Bytes a logit holds at the loss: the model's (c), their fp32 copy for the loss and its
+    gradient (8). megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py) takes
+    its fp32 copy (in fp32, the logits themselves), exponentiates it in place, saves it and turns it
+    into the gradient in place: c + 4, or 4 in fp32 (checked: bench/plan_vs_engines.py ds-pp2-logits)."""
+    if not megatron_loss:
+        return c + 8, "(c+8)"
+    return (c + 4, "(c+4)") if c < 4 else (4, "4")
 
 
 def kv_cache(m: LlamaShape, sequences: float, per_gpu: str, s: int, c: int) -> Term:
@@ -309,28 +363,81 @@ def offloaded(formula: str, per_rank: float, ranks: int) -> Term:
 
 
 def sft_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site) -> Footprint:
-    """DeepSpeed's phases of a step: forward and backward with the gradients' reduction, then the
-    optimizer step; and the final eval."""
-    P, prec = m.params(), deepspeed_precision(s.dtype, layout.zero)
-    t = layout.tp * layout.pp  # a rank's share of the model
+    """The footprint of the heavier of the first and the last pipeline stage, the one a plan must
+    fit (the stages between hold less than the first: no embedding, fewer micro-batches in flight):
+    the higher peak, then the higher next phase (a peak both share, the final eval, ties them);
+    with pp = 1, the one stage's."""
+    stages = (sft_stage_footprint(m, s, layout, site, i) for i in sorted({0, layout.pp - 1}))
+    return max(stages, key=lambda fp: sorted(fp.phase_bytes().values(), reverse=True))
+
+
+def sft_stage_footprint(m: LlamaShape, s: SFTStage, layout: Layout, site: Site, stage: int = 0) -> Footprint:
+    """DeepSpeed's phases of a step on a rank of pipeline stage `stage`: forward and backward with
+    the gradients' reduction, then the optimizer step; and the final eval."""
+    prec = deepspeed_precision(s.dtype, layout.zero)
+    share = stage_share(m, layout, stage)
+    contiguous = layout.pp == 1  # deepspeed_config turns contiguous_gradients off under pp > 1
+    overlap = s.parallel.overlap_comm
     train = [
-        *training_states(P, prec, layout),
-        reduce_buffers(P / t, prec.grad, layout.zero, s.parallel.overlap_comm),
-        # under 1F1B the first stage keeps pp micro-batches of L/pp layers: L layers' worth
-        activations(m, s.micro_batch_size, s.max_seq_len, prec.compute, layout.tp, True, layout.recompute),
+        *training_states(m.params(), prec, layout, share),
+        reduce_buffers(share.params, prec.grad, layout.zero, overlap, contiguous, share.text()),
+        stage_activations(m, s, layout, prec.compute, stage),
     ]
-    step = deepspeed_step(P, prec, layout)
+    step = deepspeed_step(share, prec, layout, contiguous)
     evaluation, refusals = final_eval(m, site, prec.weight, layout.gpus)
     ranks = node_ranks(layout, site.gpus_per_node)
-    moved = P * prec.optimizer / (t * layout.dp) if layout.offload else 0.0
-    share = "P/tp" + "/pp" * (layout.pp > 1)
-    host = [*host_terms(m, share, P / t, ranks, site), offloaded("optimizer per GPU", moved, ranks)]
+    moved = share.params * prec.optimizer / layout.dp if layout.offload else 0.0
+    host = [*host_terms(m, share.text(), share.params, ranks, site)]
+    host.append(offloaded("optimizer per GPU", moved, ranks))
     phases = {
         "training": tuple(x.name for x in train),
         "optimizer_step": ("weights", "optimizer", *(x.name for x in step)),
         "final_eval": tuple(x.name for x in evaluation),
     }
-    return Footprint(train + step + evaluation, host, phases, refusals)
+    return Footprint(train + step + evaluation, host, phases, refusals + sft_refusals(m, s, layout))
+
+
+def stage_params(m: LlamaShape, pp: int, stage: int) -> int:
+    """A pipeline stage's parameters: L/pp layers, the input embedding on the first stage, the
+    output layer and the final norm on the last (with pp = 1, all P)."""
+    output = m.embedding_params() - m.vocab * m.hidden  # 0 when tied (refused with pp > 1)
+    first, last = stage == 0, stage == pp - 1
+    return m.layers // pp * m.layer_params() + first * m.vocab * m.hidden + last * (output + m.hidden)
+
+
+def stage_share(m: LlamaShape, layout: Layout, stage: int) -> Share:
+    """A rank's parameters: its pipeline stage's (P_first, P_last, or P with pp = 1) over TP."""
+    symbol = "P" if layout.pp == 1 else "P_first" if stage == 0 else "P_last"
+    split = "/tp" if layout.tp > 1 else ""
+    return Share(stage_params(m, layout.pp, stage) / layout.tp, symbol, split)
+
+
+def stage_activations(m: LlamaShape, s: SFTStage, layout: Layout, c: int, stage: int) -> Term:
+    """Under 1F1B, stage i runs min(pp - i, M) forwards (M micro-batches a step) before its first
+    backward, and keeps each one's activations of its L/pp layers until that backward: the first
+    stage the most; the last stage also the logits, of one micro-batch at a time."""
+    b, seq, tp, recompute = s.micro_batch_size, s.max_seq_len, layout.tp, layout.recompute
+    if layout.pp == 1:
+        return activations(m, b, seq, c, tp, True, recompute, megatron_loss=True)
+    M = max(1, s.global_batch_size // (b * layout.dp))
+    k = min(layout.pp - stage, M)
+    held = (k * (m.layers // layout.pp), f"{k}·L/pp")
+    last = stage == layout.pp - 1
+    term = activations(m, b, seq, c, tp, True, recompute, held, logits=last, megatron_loss=True)
+    flight = f", {k} = min(pp - {stage}, M) in flight, M={M}"
+    return replace(term, formula=term.formula[:-1] + flight + "]")
+
+
+def sft_refusals(m: LlamaShape, s: SFTStage, layout: Layout) -> tuple[str, ...]:
+    """core/config.py's checks of the layout: megatron's divisions, and what pp > 1 cannot run
+    (its backward runs outside DeepSpeed's engine)."""
+    checks = (
+        (layout.zero > 1, f"ZeRO-{layout.zero} partitions gradients in a backward pp > 1 does not run"),
+        (s.parallel.overlap_comm, "overlap_comm reduces in a backward pp > 1 does not run"),
+        (m.tied_embeddings, "tied embeddings (the output layer is the embedding) are not split over pp > 1"),
+    )
+    pipeline = tuple(why for bad, why in checks if bad and layout.pp > 1)
+    return megatron_refusals(m, layout) + pipeline
 
 
 def deepspeed_precision(dtype: str, zero: int) -> Precision:
@@ -343,46 +450,55 @@ def deepspeed_precision(dtype: str, zero: int) -> Precision:
     return replace(prec, optimizer=12) if dtype == "fp32" and zero >= 1 else prec
 
 
-def reduce_buffers(grads: float, g: int, zero: int, overlap_comm: bool = False) -> Term:
-    """What reducing `grads` gradient elements (P/tp) of g bytes holds besides the gradients. ZeRO 1-2
-    allocate one bucket of DEEPSPEED_BUCKET elements at the first gradient of a backward
+def reduce_buffers(
+    grads: float, g: int, zero: int, overlap_comm: bool = False, contiguous: bool = True, text: str = "P/tp"
+) -> Term:
+    """What reducing `grads` gradient elements (`text`: P/tp) of g bytes holds besides the gradients.
+    ZeRO 1-2 allocate one bucket of DEEPSPEED_BUCKET elements at the first gradient of a backward
     (stage_1_and_2.py setup_buckets) and all-reduce a flattened copy of each full bucket
     (allreduce_bucket: self.flatten). ZeRO-1 moves every gradient into the bucket before its
     reduction, so that copy takes the room the moved gradients leave; ZeRO-2 keeps the partition's
     gradients apart (grads_in_partition, the gradients term), so it counts. ZeRO-0 all-reduces
-    flattened copies of up to DEEPSPEED_BUCKET gradients (engine.py buffered_allreduce_fallback).
-    With overlap_comm, ZeRO 1-2 fill a second bucket while the first is reduced (setup_buckets'
-    buf_1)."""
+    flattened copies of up to DEEPSPEED_BUCKET gradients (engine.py buffered_allreduce_fallback), and
+    so does ZeRO-1 without `contiguous` gradients (pp > 1: no bucket; reduce_ipg_grads'
+    buffered_reduce_fallback). With overlap_comm, ZeRO 1-2 fill a second bucket while the first is
+    reduced (setup_buckets' buf_1)."""
     buckets = 2 if overlap_comm and zero >= 1 else 1
     bucket, chunk = buckets * DEEPSPEED_BUCKET * g, min(DEEPSPEED_BUCKET, grads) * g
     b = f"{buckets}·B" if buckets > 1 else "B"
+    copy = f"min(B, {text})·{g}"
     formula, held = {
-        0: (f"min(B, P/tp)·{g} (the all-reduce's flattened copy)", chunk),
+        0: (f"{copy} (the all-reduce's flattened copy)", chunk),
         1: (f"{b}·{g} (the gradient bucket)", bucket),
-    }.get(zero, (f"{b}·{g} + min(B, P/tp)·{g} (the gradient bucket and its flattened copy)", bucket + chunk))
+    }.get(zero, (f"{b}·{g} + {copy} (the gradient bucket and its flattened copy)", bucket + chunk))
+    if zero == 1 and not contiguous:
+        formula, held = f"{copy} (the all-reduce's flattened copy; no bucket under pp > 1)", chunk
     return Term("reduce_buffers", f"{formula}  [B={B_TEXT}]", held)
 
 
-def deepspeed_step(P: int, prec: Precision, layout: Layout) -> list[Term]:
+def deepspeed_step(share: Share, prec: Precision, layout: Layout, contiguous: bool = True) -> list[Term]:
     """What DeepSpeed's optimizer step holds besides the weights and the optimizer states, for the
-    parameters it steps (P/tp/dp under ZeRO 1-2, P/tp under ZeRO-0): their gradients in the model's
-    dtype and the flat fp32 gradient it steps with, g + 4 bytes a parameter (stage_1_and_2.py step:
-    the partition's gradients and single_grad_partition, a flattened fp32 copy; unfused_optimizer.py
-    step: fp32 copies of the bf16 gradients), and AdamW's sqrt(v). fp32 ZeRO-0 is torch's AdamW
-    alone, which steps the gradients themselves. With offload the step runs on the host
-    (DeepSpeedCPUAdam)."""
+    parameters it steps (the rank's share, P/tp at pp = 1, over dp under ZeRO 1-2): their gradients
+    in the model's dtype and the flat fp32 gradient it steps with, g + 4 bytes a parameter
+    (stage_1_and_2.py step: the partition's gradients and single_grad_partition, a flattened fp32
+    copy; unfused_optimizer.py step: fp32 copies of the bf16 gradients), and AdamW's sqrt(v). ZeRO-1
+    without `contiguous` gradients (pp > 1) frees the gradients once flattened, before AdamW: 4 bytes
+    (flattening held g + g, and 4 more in bf16: no more than the 4 + 4 of AdamW's moment). fp32
+    ZeRO-0 is torch's AdamW alone, which steps the gradients themselves. With offload the step runs
+    on the host (DeepSpeedCPUAdam)."""
     if layout.offload:
         return [Term("step_gradients", "0 (stepped on the host)", 0.0), Term("step_temporary", "0", 0.0)]
-    t = layout.tp * layout.pp
-    split = model_split(layout) + "/dp" * (layout.zero >= 1)
-    div = t * layout.dp if layout.zero >= 1 else t
+    stepped = layout.dp if layout.zero >= 1 else 1
+    split = "/dp" * (layout.zero >= 1)
     wrapped = prec.grad != 4 or layout.zero >= 1  # DeepSpeed wraps torch's AdamW
     held = prec.grad + 4 if wrapped else prec.grad
     what = "the gradient partition and its flat fp32 copy" if wrapped else "the gradients"
-    temp = ADAM_STEP_TEMPORARY
+    if layout.zero == 1 and not contiguous:
+        held, what = 4, "the partition's flat fp32 copy; its gradients freed before AdamW"
+    temp, n = ADAM_STEP_TEMPORARY, share.params / stepped
     return [
-        Term("step_gradients", f"P·{held}{split} ({what})", P * held / div),
-        Term("step_temporary", f"P·{temp}{split} (AdamW's sqrt(v))", P * temp / div),
+        Term("step_gradients", f"{share.text(held)}{split} ({what})", n * held),
+        Term("step_temporary", f"{share.text(temp)}{split} (AdamW's sqrt(v))", n * temp),
     ]
 
 

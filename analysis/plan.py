@@ -5,8 +5,7 @@ node (analysis/memory.py's formulas) and the verdict, in three tiers:
 - fits: within usable memory, with room to spare, and no offload;
 - fits with caveat: it fits, but only with CPU offload (configured or searched: PCIe traffic every
   step), or above HEADROOM of usable GPU or host memory (an estimate that close can be off), or
-  with what no config field sets yet (SFT's recomputation, offload and pipeline parallelism); each
-  caveat is named;
+  with what no config field sets yet (SFT's recomputation and offload); each caveat is named;
 - does not fit: above usable memory, or refused (the engine's own checks, or our commands').
 
 Usable memory is a fixed share of the machine's, GPU_USABLE of a GPU and HOST_USABLE of a node:
@@ -102,7 +101,7 @@ class Option:
     settings: dict[str, object] = field(default_factory=dict)
     """The config settings (inside the stage's section) that give this layout."""
     unsettable: tuple[str, ...] = ()
-    """What the layout needs that no config field sets (SFT's recompute, offload and PP)."""
+    """What the layout needs that no config field sets (SFT's recompute and offload)."""
     eval_settings: dict[str, object] = field(default_factory=dict)
     """The held-out eval's settings (inside `eval`) this option runs its final eval with."""
 
@@ -153,11 +152,7 @@ def unsettable(stage, layout: Layout) -> tuple[str, ...]:
     """SFT's layout features that no config field sets: the SFT engine does none of them yet."""
     if not isinstance(stage, SFTStage):
         return ()
-    needs = (
-        ("optimizer offload", layout.offload),
-        ("recompute", layout.recompute),
-        (f"pipeline parallel {layout.pp}", layout.pp > 1),
-    )
+    needs = (("optimizer offload", layout.offload), ("recompute", layout.recompute))
     return tuple(name for name, on in needs if on)
 
 

@@ -3,9 +3,10 @@ in the order of preference the guides give (the cheapest in time first), and the
 commands make before they start a stage.
 
 A candidate is a set of config settings (`field=value` inside the stage's section, what `hpcr1 run`
-and `submit` take as overrides) and, for SFT, layout features no config field sets yet
-(recomputation, CPU offload). Candidates come most preferred first: the rules of an engine are
-nested loops, the first rule the outermost, so a later rule only breaks ties of the earlier ones.
+and `submit` take as overrides; SFT's pipeline parallelism among them) and, for SFT, layout
+features no config field sets yet (recomputation, CPU offload). Candidates come most preferred
+first: the rules of an engine are nested loops, the first rule the outermost, so a later rule only
+breaks ties of the earlier ones.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ ORDER: dict[str, tuple[Rule, ...]] = {
             "no CPU offload of the optimizer",
             "ZeRO-Offload runs Adam on the CPU and moves the gradients over PCIe every step",
             ("hf-deepspeed",),
+        ),
+        Rule(
+            "smaller pipeline parallel",
+            "TP within a node first, PP only when necessary: pipeline bubbles idle every stage, and "
+            "pp > 1 runs ZeRO 0 or 1 only",
+            ("megatron-sc21",),
         ),
         Rule(
             "smaller tensor parallel, within a node",
@@ -127,9 +134,8 @@ ORDER: dict[str, tuple[Rule, ...]] = {
 class Candidate:
     settings: dict[str, object]
     """Config field (dotted, inside the stage's section) -> value."""
-    extras: dict[str, bool | int] = field(default_factory=dict)
-    """Layout features no config field sets (SFT's recomputation, CPU offload and pipeline
-    parallelism)."""
+    extras: dict[str, bool] = field(default_factory=dict)
+    """Layout features no config field sets (SFT's recomputation and CPU offload)."""
 
 
 @dataclass(frozen=True)
@@ -181,25 +187,35 @@ def sft_groups(s: SFTStage, shape: LlamaShape, gpus: int, gpus_per_node: int) ->
 
 
 def pipeline_sizes(shape: LlamaShape, gpus: int) -> list[int]:
-    """Pipeline-parallel sizes, smallest first: powers of two dividing the layers and the GPUs."""
+    """Pipeline-parallel sizes, smallest first: powers of two dividing the layers and the GPUs; 1
+    alone for tied embeddings, which the SFT engine cannot split."""
+    if shape.tied_embeddings:
+        return [1]
     return [
         p for p in (1 << i for i in range(shape.layers.bit_length())) if not shape.layers % p and not gpus % p
     ]
 
 
+def sft_zero_stages(offload: bool, pp: int) -> list[int]:
+    """DeepSpeed's offload needs ZeRO >= 1; pipeline stages run ZeRO 0 or 1 (core/config.py)."""
+    return [z for z in (0, 1, 2) if (z >= 1 or not offload) and (z <= 1 or pp == 1)]
+
+
 def sft_tp_groups(s: SFTStage, gpus: int, tps: list[int], offload: bool, pp: int) -> Iterator[Group]:
+    # overlap_comm runs in DeepSpeed's backward, which pipeline stages do not run: off where pp > 1
+    no_overlap = {"parallel.overlap_comm": False} if pp > 1 and s.parallel.overlap_comm else {}
     for tp in tps:
         if gpus % (tp * pp):
             continue
         micros = divisors_down(s.global_batch_size, gpus // (tp * pp)) or [s.micro_batch_size]
         for recompute in (False, True):
-            extras = {"offload": offload, "recompute": recompute, "pp": pp}
+            extras = {"offload": offload, "recompute": recompute}
 
             def make(micro: int, zero: int, tp=tp, extras=extras) -> Candidate:
-                settings = {"parallel.tp": tp, "parallel.zero_stage": zero, "micro_batch_size": micro}
-                return Candidate(settings, extras)
+                parallel = {"parallel.tp": tp, "parallel.pp": pp, "parallel.zero_stage": zero, **no_overlap}
+                return Candidate({**parallel, "micro_batch_size": micro}, extras)
 
-            yield by_micro(micros, [1, 2] if offload else [0, 1, 2], make)
+            yield by_micro(micros, sft_zero_stages(offload, pp), make)
 
 
 def verl_grpo_groups(g: GRPOStage, shape: LlamaShape, gpus: int, gpus_per_node: int) -> Iterator[Group]:
@@ -273,7 +289,7 @@ def setting_keys(stage) -> list[str]:
     """The config fields (inside the stage's section) the search varies for this stage's engine."""
     key = order_key(stage)
     if key == "sft":
-        return ["parallel.tp", "parallel.zero_stage", "micro_batch_size"]
+        return ["parallel.tp", "parallel.pp", "parallel.zero_stage", "micro_batch_size"]
     if key == "grpo verl":
         actor = ["verl.megatron_tp", "verl.megatron_pp"] * (stage.verl.backend == "megatron")
         offload = ["verl.param_offload", "verl.optimizer_offload"]

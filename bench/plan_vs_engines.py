@@ -19,6 +19,14 @@ tokens a micro-batch); "vocab", narrow (4M parameters) with a 32000-token vocabu
 logits of a 4 x 512-token micro-batch dominate. The cases:
 - ds-*: our SFT engine itself (stages/engines/megatron_deepspeed.py: megatron-core, DeepSpeed ZeRO
   with its deepspeed_config), train_step of one micro-batch per step; predicted by sft_footprint.
+- ds-pp2-*: the same engine with parallel.pp=2 over the 2 ranks (dp 1): megatron's 1F1B schedule
+  over 2 micro-batches a step (stage 0 keeps both in flight), each rank its stage (rank 0 the
+  embedding and 4 layers, rank 1 4 layers, the final norm and the output layer), measured and
+  predicted per stage (sft_stage_footprint), rows case/stageN. ds-pp2-logits: the "vocab" model
+  with 16 x 128-token micro-batches, whose logits make the last stage far the heavier. (Its
+  sequences are short on purpose: at 4 x 512 tokens stage 0 measured 16% over its prediction, which
+  counts the unfused attention's scores and probabilities at c bytes each, where megatron's bf16
+  path saves fp32 probabilities and their bf16 copy: not modelled yet.)
 - fsdp2, fsdp2-offload: the actor as verl 0.9.1 shards it with strategy fsdp2 (verl's own
   apply_fsdp2: fp32 shards, bf16 compute, a unit per decoder layer and per embedding), gradient
   checkpointing, torch's AdamW; with offload, verl's own offload functions move the parameters and
@@ -46,7 +54,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_footprint  # noqa: E402
+from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_stage_footprint  # noqa: E402
 from analysis.model_shape import LlamaShape, shape_from_hf_config  # noqa: E402
 from core.config import GRPOStage, SFTStage, VerlConfig  # noqa: E402
 
@@ -86,6 +94,10 @@ class Case:
     """Sequences a micro-batch (one a step)."""
     seq: int = 64
     """Tokens a sequence; under fsdp2 the second half is the response."""
+    pp: int = 1
+    """Pipeline stages (deepspeed): dp = RANKS/pp, each stage measured and predicted on its own."""
+    micro_steps: int = 1
+    """Micro-batches a rank and step (deepspeed): 1F1B keeps min(pp - stage, micro_steps) in flight."""
 
 
 CASES = {
@@ -93,6 +105,10 @@ CASES = {
     "ds-bf16-z1": Case("deepspeed", zero=1),
     "ds-bf16-z2": Case("deepspeed", zero=2),
     "ds-fp32-z1": Case("deepspeed", dtype="fp32", zero=1),
+    "ds-pp2-bf16-z0": Case("deepspeed", zero=0, pp=2, micro_steps=2),
+    "ds-pp2-bf16-z1": Case("deepspeed", zero=1, pp=2, micro_steps=2),
+    "ds-pp2-fp32-z1": Case("deepspeed", dtype="fp32", zero=1, pp=2, micro_steps=2),
+    "ds-pp2-logits": Case("deepspeed", zero=1, model="vocab", batch=16, seq=128, pp=2, micro_steps=2),
     "fsdp2": Case("fsdp2", zero=3),
     "fsdp2-offload": Case("fsdp2", zero=3, offload=True),
     "fsdp2-logits": Case("fsdp2", zero=3, model="vocab", batch=4, seq=512),
@@ -101,21 +117,23 @@ CASES = {
 
 # -- prediction ---------------------------------------------------------------------------------------
 def sft_stage(case: Case) -> SFTStage:
-    """One micro-batch a rank and step."""
+    """micro_steps micro-batches a rank and step."""
     return SFTStage(
         dtype=case.dtype,
         micro_batch_size=case.batch,
-        global_batch_size=case.batch * RANKS,
+        global_batch_size=case.batch * case.micro_steps * RANKS // case.pp,
         max_seq_len=case.seq,
-        parallel={"tp": 1, "pp": 1, "zero_stage": case.zero},
+        parallel={"tp": 1, "pp": case.pp, "zero_stage": case.zero},
     )
 
 
-def predict(case: Case, shape: LlamaShape) -> dict[str, float]:
-    """states (on the device between steps), host (offloaded, a rank) and peak, as the planner says."""
+def predict(case: Case, shape: LlamaShape, stage: int = 0) -> dict[str, float]:
+    """states (on the device between steps), host (offloaded, a rank) and peak, as the planner says;
+    for a rank of pipeline stage `stage` (deepspeed)."""
     site = Site(gpu_bytes=GPU_BYTES, gpus_per_node=RANKS, runtime_per_rank=0.0)
     if case.engine == "deepspeed":
-        fp = sft_footprint(shape, sft_stage(case), Layout(RANKS, 1, case.zero), site)
+        layout = Layout(RANKS, 1, case.zero, pp=case.pp)
+        fp = sft_stage_footprint(shape, sft_stage(case), layout, site, stage)
         return figures(fp, resident=("weights", "optimizer"), steps=("training", "optimizer_step"))
     o, response = case.offload, case.seq // 2
     verl = VerlConfig(
@@ -158,28 +176,33 @@ def worker(name: str, model_dir: Path) -> None:
     shutdown_distributed()
 
 
-def random_batches(case: Case, device):
-    """STEPS micro-batches of random token ids."""
+def random_batches(case: Case, device, count: int = STEPS):
+    """`count` micro-batches of random token ids, the same on every rank."""
     import torch
 
     g = torch.Generator().manual_seed(1)
     vocab = MODELS[case.model]["vocab_size"]
-    return [torch.randint(0, vocab, (case.batch, case.seq), generator=g).to(device) for _ in range(STEPS)]
+    return [torch.randint(0, vocab, (case.batch, case.seq), generator=g).to(device) for _ in range(count)]
 
 
 def train_deepspeed(case: Case, model_dir: Path) -> dict:
-    """STEPS steps of our SFT engine (its own train_step), one micro-batch a rank and step."""
+    """STEPS steps of our SFT engine (its own train_step), micro_steps micro-batches of one shape (as
+    pipeline stages need) a rank and step; with the rank's pipeline stage."""
     import torch
+    from megatron.core import parallel_state
 
     from stages.data.sft_batches import MicroBatch
     from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
 
     engine = MegatronDeepSpeedEngine(model_dir, sft_stage(case), seed=0)
     positions = torch.arange(case.seq).expand(case.batch, case.seq)
-    for ids in random_batches(case, "cpu"):
-        batch = MicroBatch(ids, ids.roll(-1, 1), torch.ones(ids.shape), positions)
-        engine.train_step([batch], global_loss_tokens=ids.numel() * RANKS)
-    return {"states": torch.accelerator.memory_allocated(), "host": 0}
+    ids = random_batches(case, "cpu", STEPS * case.micro_steps)
+    batches = [MicroBatch(t, t.roll(-1, 1), torch.ones(t.shape), positions) for t in ids]
+    tokens = case.batch * case.seq * case.micro_steps * RANKS // case.pp  # the step's, every replica's
+    for step in range(STEPS):
+        engine.train_step(batches[step * case.micro_steps : (step + 1) * case.micro_steps], tokens)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    return {"states": torch.accelerator.memory_allocated(), "host": 0, "stage": stage}
 
 
 def train_fsdp2(case: Case, model_dir: Path) -> dict:
@@ -272,8 +295,8 @@ def write_model(directory: Path, spec: dict) -> LlamaShape:
     return shape_from_hf_config(directory / "config.json")
 
 
-def measure(name: str, model_dir: Path) -> dict[str, float]:
-    """The case on RANKS ranks of the emulated device: each measurement's largest over the ranks."""
+def measure(name: str, model_dir: Path) -> list[dict]:
+    """The case on RANKS ranks of the emulated device: each rank's measurements."""
     from tests import fakegpu
     from tests.conftest import free_port
     from tests.dist.workers.results import read_results
@@ -287,12 +310,19 @@ def measure(name: str, model_dir: Path) -> dict[str, float]:
         raise RuntimeError(
             f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return {key: max(r[key] for r in results) for key in ("states", "host", "peak")}
+    return results
 
 
-def run_case(name: str, shapes: dict[str, LlamaShape], models: Path) -> dict:
-    case = CASES[name]
-    return compare(name, predict(case, shapes[case.model]), measure(name, models / case.model))
+def run_case(name: str, shapes: dict[str, LlamaShape], models: Path) -> list[dict]:
+    """One comparison: each measurement's largest over the ranks; with pipeline stages, one a stage
+    (their ranks hold different parts of the model)."""
+    case, shape = CASES[name], shapes[CASES[name].model]
+    ranks = measure(name, models / case.model)
+    if case.pp == 1:
+        largest = {key: max(r[key] for r in ranks) for key in ("states", "host", "peak")}
+        return [compare(name, predict(case, shape), largest)]
+    by_stage = sorted(ranks, key=lambda r: r["stage"])
+    return [compare(f"{name}/stage{r['stage']}", predict(case, shape, r["stage"]), r) for r in by_stage]
 
 
 def deviation(measured: float, predicted: float, scale: float) -> float:
@@ -315,13 +345,13 @@ def compare(name: str, predicted: dict, measured: dict) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'case':<15} {'what':<7} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>7}  verdict")
+    print(f"{'case':<21} {'what':<7} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>7}  verdict")
     for result in results:
         for key, r in result["figures"].items():
             ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
             verdict = "ok" if r["off"] <= TOLERANCE else f"OFF by {r['off']:.0%}"
             row = f"{r['predicted'] / MIB:14.1f} {r['measured'] / MIB:13.1f} {ratio:>7}  {verdict}"
-            print(f"{result['case']:<15} {key:<7} {row}")
+            print(f"{result['case']:<21} {key:<7} {row}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="plan-vs-engines-") as tmp:
         models = {CASES[n].model for n in names}
         shapes = {m: write_model(Path(tmp) / m, MODELS[m]) for m in sorted(models)}
-        results = [run_case(n, shapes, Path(tmp)) for n in names]
+        results = [r for n in names for r in run_case(n, shapes, Path(tmp))]
     print_table(results)
     if args.json:
         params = {m: shape.params() for m, shape in shapes.items()}

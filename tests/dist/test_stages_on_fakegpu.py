@@ -1,9 +1,9 @@
 """The stages on 2 ranks of the emulated accelerator (tests/fakegpu), as they would run on GPUs: every
 tensor that meets the model or a collective must be on the rank's device, and the group refuses CPU
 tensors as nccl does. SFT (micro-batches, loss sum, the preemption flag at every step boundary, the
-sharded eval's model and counts), GRPO (balance widths, log-prob passes, reward, rollout) and
-commbench's buffers run end to end; their results equal the same run's on the CPU, since the
-device computes with the same kernels."""
+sharded eval's model and counts; PP=2's stages exchanging activations), GRPO (balance widths,
+log-prob passes, reward, rollout) and commbench's buffers run end to end; their results equal the
+same run's on the CPU, since the device computes with the same kernels."""
 
 from __future__ import annotations
 
@@ -74,6 +74,18 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
         keys = ("accuracy", "format_rate", "mean_at_k", "format_rate_at_k")
         assert {k: on_gpu[k] for k in keys} == {k: on_cpu[k] for k in keys}
         assert {k: on_gpu["validation"][k] for k in keys} == {k: on_cpu["validation"][k] for k in keys}
+
+
+def test_pipeline_stages_on_the_device_train_as_one_stage_does(runs):
+    """PP=2 over the 2 ranks: megatron's 1F1B schedule sends activations and their gradients between
+    the emulated devices (send/recv completing when waited for, as NCCL's), and every step's loss
+    equals that of PP=1, whose ranks split the batch instead."""
+    overrides = SHORT_SFT + ["--only", "stage1_sft"]
+    one = metrics(runs("sft-device", *overrides, device=True), "stage1_sft")
+    two = metrics(runs("sft-pp2-device", *overrides, "stage1_sft.parallel.pp=2", device=True), "stage1_sft")
+    sent = ["phase_time/pipeline_p2p" in m for m in one + two]
+    assert sent == [False] * len(one) + [True] * len(two)  # only PP=2 has stages to send between
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=0, abs=1e-5)
 
 
 def test_commbench_runs_on_the_device_with_its_backend(tmp_path):

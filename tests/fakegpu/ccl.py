@@ -6,7 +6,8 @@ It is the default backend for the device (`dist.get_default_backend_for_device("
 `init_process_group("fakeccl")` behaves as a plain `nccl` group does: a CPU tensor in a collective is
 refused with NCCL's message, object collectives and barriers travel on the device. Reductions
 honour SUM, PRODUCT, MIN, MAX and AVG (gloo has no AVG: a SUM divided by the group's size). Every
-call completes before it returns, so its work and future are already done.
+collective completes before it returns, so its work and future are already done; a send or receive
+completes when its work is waited for, as NCCL's do.
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ class _Done(dist._Work):
         future = torch.futures.Future()
         future.set_result(self._outputs)
         return future
+
+
+class _Pending(_Done):
+    """A send or receive under way on gloo, complete once waited for. Point-to-point calls return
+    before the peer takes part, as NCCL's isend/irecv do: a pipeline's neighbours both post a send
+    before their receive (megatron's batched p2p), which calls completed on return would deadlock."""
+
+    def __init__(self, work, outputs):
+        super().__init__(outputs)
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        self._work.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        self.wait()
+        return super().get_future()
 
 
 def _values(tree):
@@ -191,10 +210,10 @@ class FakeCCL(dist.ProcessGroup):
         return self._run("alltoall", outputs, inputs, outputs=outputs, opts=opts or AllToAllOptions())
 
     def send(self, tensors, dst: int, tag: int = 0):
-        return self._run("send", tensors, dst, tag, outputs=tensors)
+        return _Pending(self._gloo.send(_values(tensors), dst, tag), tensors)
 
     def recv(self, tensors, src: int, tag: int = 0):
-        return self._run("recv", tensors, src, tag, outputs=tensors)
+        return _Pending(self._gloo.recv(_values(tensors), src, tag), tensors)
 
     def barrier(self, opts=None):
         self._gloo.barrier(BarrierOptions()).wait()  # gloo's own: its device is the CPU

@@ -86,15 +86,33 @@ def sft_70b_tp4_zero2(n: int, micro: int, recompute: bool, pp: int = 1) -> tuple
     P, L, h, kv, f, a, V, s, tp = P_70B, L_70B, H_70B, KV_70B, F_70B, A_70B, V_70B, 1024, 4
     one_layer = micro * s * 2 * (4 * h + (2 * h + 2 * kv + 4 * f + 2 * a * s) / tp)
     layers = L * micro * s * 2 * h + one_layer if recompute else L * one_layer
-    activations = layers + micro * s * V * 10 / tp
+    activations = layers + micro * s * V * (2 + 4) / tp  # megatron's loss: bf16 logits, fp32 copy
     training = 2 * P / (tp * pp) + 14 * P / n + 2 * 5e8 * 2 + activations
     step = 2 * P / (tp * pp) + (12 + 2 + 4 + 4) * P / n
     return training, step
 
 
+def sft_70b_tp4_pp_zero1(n: int, pp: int, micro: int = 1) -> tuple[float, float]:
+    """Training and optimizer step of the 70B SFT's first pipeline stage (L/pp layers and the
+    embedding, over TP 4) with ZeRO-1 over n/4/pp, written out from the 70B config's numbers: bf16
+    weights and gradients, fp32 master + Adam states sharded, one flattened bf16 copy of the
+    gradients for the reduction (no bucket under pp > 1), and min(pp, M) micro-batches' activations
+    of its layers (1F1B, M micro-batches of the 128 sequences a step); then the optimizer step:
+    weights, master + Adam, the partition's flat fp32 gradient (its bf16 gradients freed before
+    AdamW) and AdamW's sqrt(v)."""
+    P, L, h, kv, f, a, V, s, tp = P_70B, L_70B, H_70B, KV_70B, F_70B, A_70B, V_70B, 1024, 4
+    layer = (P - 2 * V * h - h) / L  # one decoder layer's parameters
+    first, dp = (L / pp * layer + V * h) / tp, n // (tp * pp)
+    in_flight = min(pp, 128 // (micro * dp))
+    one_layer = micro * s * 2 * (4 * h + (2 * h + 2 * kv + 4 * f + 2 * a * s) / tp)
+    training = 4 * first + 12 * first / dp + min(5e8, first) * 2 + in_flight * L / pp * one_layer
+    step = 2 * first + (12 + 4 + 4) * first / dp
+    return training, step
+
+
 def independent_70b_sft_min_gpus(gpu_gib: float, counts: list[int]) -> int | None:
-    """The least-memory layout SFT can build without offload: TP 4 = a node, ZeRO-2, full
-    recomputation, one sequence (sft_70b_tp4_zero2)."""
+    """The least-memory layout SFT can build without offload and pipeline stages: TP 4 = a node,
+    ZeRO-2, full recomputation, one sequence (sft_70b_tp4_zero2)."""
     for n in counts:
         if n % 4 == 0 and max(sft_70b_tp4_zero2(n, 1, True)) <= GPU_USABLE * gpu_gib * GIB:
             return n
@@ -102,11 +120,11 @@ def independent_70b_sft_min_gpus(gpu_gib: float, counts: list[int]) -> int | Non
 
 
 def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_says(capsys, tmp_path):
-    """Where the leanest layout our SFT engine runs first fits, its optimizer step bounds it, not its
-    activations: it fits without recomputation too (one sequence; two do not), so the plan needs
-    none. The final eval is configured at gmu 0.85 of the 80 GiB GPU, above 90% of usable: the plan
-    runs it at 0.8 instead, which it writes as eval.* overrides. With pipeline parallelism (no SFT
-    option yet) half the GPUs do, with that caveat."""
+    """Where the leanest layout without pipeline stages first fits, its optimizer step bounds it, not
+    its activations: it fits without recomputation too (one sequence; two do not), so the plan needs
+    none, and takes it over any pp > 1. The final eval is configured at gmu 0.85 of the 80 GiB GPU,
+    above 90% of usable: the plan runs it at 0.8 instead, which it writes as eval.* overrides. Half
+    the GPUs fit with pipeline stages (PP 4, ZeRO-1), without caveat: pp is a config setting."""
     counts = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     plan = plan_json(
         capsys,
@@ -122,18 +140,37 @@ def test_70b_sft_does_not_fit_one_gpu_and_fits_first_where_an_independent_count_
     sft = plan["stages"]["stage1_sft"]
     assert sft["verdicts"]["1"] == NO_FIT
     expected = independent_70b_sft_min_gpus(80, counts)
-    assert expected is not None and sft["min_gpus"] == expected
     usable = GPU_USABLE * 80 * GIB
-    assert max(sft_70b_tp4_zero2(expected, 1, False)) < HEADROOM * usable
+    assert expected == 64 and max(sft_70b_tp4_zero2(expected, 1, False)) < HEADROOM * usable
     assert sft_70b_tp4_zero2(expected, 2, False)[0] > usable
     chosen = sft["options"][counts.index(expected)]
     layout = chosen["tp"], chosen["pp"], chosen["zero_stage"], chosen["settings"]["micro_batch_size"]
     assert layout == (4, 1, 2, 1) and not chosen["recompute"] and not chosen["offload"]
     assert not chosen["caveats"] and chosen["eval_settings"]["verl.gpu_memory_utilization"] == 0.8
     half = expected // 2
-    assert max(sft_70b_tp4_zero2(half, 1, False)) > usable >= max(sft_70b_tp4_zero2(half, 1, False, pp=2))
-    assert sft["min_gpus_with_caveat"] == half
-    assert sft["caveats"][str(half)] == ["pipeline parallel 2 (no SFT option yet)"]
+    assert max(sft_70b_tp4_zero2(half, 1, False)) > usable
+    assert sft["min_gpus"] == half and not sft["caveats"][str(half)]
+    piped = sft["options"][counts.index(half)]
+    assert (piped["tp"], piped["pp"], piped["zero_stage"], piped["unsettable"]) == (4, 4, 1, [])
+    assert piped["settings"]["parallel.pp"] == 4
+    training, step = sft_70b_tp4_pp_zero1(half, 4)
+    assert piped["phases"]["training"] == pytest.approx(training, rel=1e-9)
+    assert piped["phases"]["optimizer_step"] == pytest.approx(step, rel=1e-9)
+
+
+def test_70b_sft_on_40gb_nodes_fits_at_its_nproc_with_pipeline_stages_and_no_caveat(capsys, tmp_path):
+    """TP 4 within a node leaves 35.3 GB of bf16 weights a GPU, most of the 38.65 GB usable: no
+    pp = 1 layout fits 40 GB. PP 8 (10 layers a stage) with ZeRO-1 does, and the plan writes it."""
+    plan = shipped_plan(capsys, tmp_path, CONFIG_70B, "perlmutter", "llama-3.3-70b")
+    planned = plan["stages"]["stage1_sft"]["planned_at_nproc"]
+    assert planned["verdict"] == FITS and not planned["caveats"] and not planned["unsettable"]
+    assert (planned["tp"], planned["pp"], planned["zero_stage"]) == (4, 8, 1)
+    assert planned["layout"] == "tp4 pp8 dp4 zero1 micro1"
+    training, step = sft_70b_tp4_pp_zero1(128, 8)
+    assert planned["phases"]["training"] == pytest.approx(training, rel=1e-9)
+    assert max(training, step) < HEADROOM * GPU_USABLE * plan["cluster"]["gpu_bytes"]
+    assert "stage1_sft.parallel.pp=8" in plan["overrides"]["lines"]
+    assert not any(line.startswith("stage1_sft") for line in plan["overrides"]["left_as_configured"])
 
 
 CONFIG_70B, CONFIG_8B = REPO / "configs/llama-3.3-70b-perlmutter.yaml", REPO / "configs/llama-3.1-8b.yaml"

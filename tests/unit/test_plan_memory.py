@@ -20,6 +20,8 @@ from analysis.memory import (
     grpo_footprint,
     reduce_buffers,
     sft_footprint,
+    sft_stage_footprint,
+    stage_params,
     training_states,
 )
 from analysis.model_shape import LlamaShape
@@ -162,6 +164,46 @@ def test_overlap_comm_adds_deepspeeds_second_gradient_bucket_under_zero_1_and_2(
     grads = 3 * B  # more gradients than a bucket: the flattened copy is a whole bucket too
     plain, overlapped = (reduce_buffers(grads, 2, zero, overlap).bytes for overlap in (False, True))
     assert overlapped - plain == added
+
+
+def pipeline_phases(pp: int, stage: int, micro_steps: int) -> dict[str, float]:
+    """bf16 ZeRO-1 SFT on pp GPUs (dp = 1), micro_steps micro-batches of one 64-token sequence a step."""
+    sft = SFTStage(dtype="bf16", micro_batch_size=1, global_batch_size=micro_steps, max_seq_len=64)
+    fp = sft_stage_footprint(SHAPE, sft, Layout(pp, 1, 1, pp=pp), SITE, stage)
+    return {**fp.phase_bytes(), **{t.name: t.bytes for t in fp.gpu}}
+
+
+def test_pipeline_stages_hold_their_layers_and_1f1b_keeps_the_first_stage_busiest():
+    """Each stage L/pp layers, the embedding on the first, the output layer and final norm on the
+    last; 1F1B keeps min(pp - stage, M) micro-batches' activations in flight, the logits on the last
+    stage only; without a contiguous bucket ZeRO-1 reduces a flat copy and steps a flat fp32 copy."""
+    layer, vh = SHAPE.layer_params(), SHAPE.vocab * SHAPE.hidden
+    assert [stage_params(SHAPE, 4, i) for i in range(4)] == [
+        2 * layer + vh,
+        2 * layer,
+        2 * layer,
+        2 * layer + vh + 512,
+    ]
+    assert sum(stage_params(SHAPE, 8, i) for i in range(8)) == stage_params(SHAPE, 1, 0) == P
+    one = activations(SHAPE, 1, 64, 2, 1, True, False, held=(1, "1"), logits=False).bytes
+    logits = activations(SHAPE, 1, 64, 2, 1, True, False, megatron_loss=True).bytes - SHAPE.layers * one
+    first, last = pipeline_phases(4, 0, 8), pipeline_phases(4, 3, 8)
+    assert first["activations"] == pytest.approx(4 * 2 * one)  # pp micro-batches of 2 layers
+    assert last["activations"] == pytest.approx(2 * one + logits)
+    assert pipeline_phases(4, 0, 3)["activations"] == pytest.approx(3 * 2 * one)  # M < pp
+    Pf = 2 * layer + vh
+    assert first["reduce_buffers"] == 2 * Pf and first["step_gradients"] == 4 * Pf
+    # the plan counts the heavier stage: here the last, whose logits outweigh 3 more micro-batches
+    sft = SFTStage(dtype="bf16", micro_batch_size=1, global_batch_size=8, max_seq_len=64)
+    planned = sft_footprint(SHAPE, sft, Layout(4, 1, 1, pp=4), SITE)
+    assert last["training"] > first["training"] and planned.phase_bytes()["training"] == last["training"]
+
+
+def test_pipeline_stages_run_deepspeed_without_contiguous_gradients_as_the_model_assumes():
+    from stages.engines.megatron_deepspeed import deepspeed_config
+
+    stage = SFTStage(micro_batch_size=1, global_batch_size=2, parallel={"pp": 2, "zero_stage": 1})
+    assert deepspeed_config(stage, dp_size=1)["zero_optimization"]["contiguous_gradients"] is False
 
 
 def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():

@@ -72,12 +72,13 @@ def test_the_hand_computed_parameter_count_is_the_shapes():
     assert SHAPE.params() == P == 106_816
 
 
-def activations(b: int, s: int, c: int, scores: bool, recompute: bool) -> float:
+def activations(b: int, s: int, c: int, scores: bool, recompute: bool, per_logit: int | None = None) -> float:
     """TP 1: saved per layer (6h + 2kv + 4f, with unfused attention's 2·a·s), or with recomputation
-    each layer's input and one layer's; the logits with their fp32 copy and gradient (c + 8)."""
+    each layer's input and one layer's; the logits with their fp32 copy and gradient (c + 8 bytes;
+    `per_logit` where the loss holds otherwise: megatron's c + 4)."""
     layer = b * s * c * (6 * H + 2 * KV + 4 * F + (2 * A * s if scores else 0))
     kept = L * b * s * c * H + layer if recompute else L * layer
-    return kept + b * s * V * (c + 8)
+    return kept + b * s * V * (per_logit or c + 8)
 
 
 # SFT: bf16 (2-byte weights and gradients, 12 bytes of fp32 master and Adam a parameter), TP 1,
@@ -95,7 +96,7 @@ SFT = SFTStage(
 )
 SFT_EVAL = EvalConfig(batch_size=1, max_new_tokens=8)
 BUCKET = 5e8 * 2
-SFT_PEAK = 2 * P + 2 * P + 12 * P / GPUS + BUCKET + activations(2, 64, 2, scores=True, recompute=False)
+SFT_PEAK = 2 * P + 2 * P + 12 * P / GPUS + BUCKET + activations(2, 64, 2, True, False, per_logit=2 + 4)
 SFT_STEP = 2 * P + 12 * P / GPUS + (2 + 4 + 4) * P / GPUS
 
 
@@ -130,7 +131,7 @@ def test_sft_fits_only_with_offload_where_no_layout_without_it_fits():
     assert BIG.params() == BP == 553_668_608
     leanest = 12 * BP
     layer = s * c * (6 * BH + 2 * BKV + 4 * BF + 2 * BA * s)
-    offloaded = 4 * BP + BUCKET + BL * layer + s * BV * (c + 8)
+    offloaded = 4 * BP + BUCKET + BL * layer + s * BV * (c + 4)
     assert offloaded < leanest
     usable = (offloaded + leanest) / 2
     assert offloaded / usable < HEADROOM
