@@ -34,46 +34,48 @@ setup: .venv/.done
 # The locks are resolved for Linux x86_64 CPython 3.12 (tests/unit/test_gpu_lock.py): PYTHON must be 3.12.
 # requirements-gpu-nodeps.lock comes after the check, without dependencies: Megatron-Bridge (its
 # header says why), then Transformer Engine's torch extension and flash-attn, compiled here against
-# the installed torch. Those two need a CUDA 13 nvcc; cuDNN's, cudnn-frontend's and NCCL's headers come
-# from the lock's wheels (GPU_CPATH). Both build for several GPU generations by default:
-# NVTE_CUDA_ARCHS=80 FLASH_ATTN_CUDA_ARCHS=80 builds for A100s only, far sooner; MAX_JOBS bounds the
-# compilers' memory. NVTE_PYTORCH_FORCE_BUILD/FLASH_ATTENTION_FORCE_BUILD: compile, never fetch a wheel.
+# the installed torch. Those two need a CUDA 13 toolkit in CUDA_HOME (its nvcc); cuDNN's,
+# cudnn-frontend's, NCCL's and cuBLAS's headers also come from the lock's wheels (GPU_CPATH). The torch
+# extension is C++ (28 min on 2 cores); flash-attn's CUDA kernels build for four GPU generations unless
+# FLASH_ATTN_CUDA_ARCHS=80 (A100s only, far sooner). MAX_JOBS bounds the compilers' memory.
+# NVTE_PYTORCH_FORCE_BUILD, FLASH_ATTENTION_FORCE_BUILD: compile, never fetch a prebuilt wheel.
 PYTHON  ?= python3
 GPU_PIP := .venv-gpu/bin/pip
 NODEPS  := requirements-gpu-nodeps.lock
 pin      = $(shell grep -i '^$(1)==' $(NODEPS))
 GPU_SITE = .venv-gpu/lib/python3.12/site-packages
-GPU_CPATH = $(CURDIR)/$(GPU_SITE)/nvidia/cudnn/include:$(CURDIR)/$(GPU_SITE)/nvidia/nccl/include:$(CURDIR)/$(GPU_SITE)/include
-NVCC     = $(if $(CUDA_HOME),$(CUDA_HOME)/bin/nvcc,nvcc)
+S        = $(CURDIR)/$(GPU_SITE)
+GPU_CPATH = $(S)/nvidia/cudnn/include:$(S)/nvidia/nccl/include:$(S)/include:$(S)/nvidia/cu13/include
 
 setup-gpu: .venv-gpu/.done
 
 .venv-gpu/.done: requirements-gpu.lock $(NODEPS) pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || \
 	  (echo "setup-gpu: requirements-gpu.lock is for CPython 3.12 ($(PYTHON) is not); run with PYTHON=python3.12"; exit 1)
-	@$(NVCC) --version 2>/dev/null | grep -q 'release 13\.' || \
-	  (echo "setup-gpu: Transformer Engine's torch extension and flash-attn compile with a CUDA 13 nvcc, and" \
-	   "'$(NVCC)' is not one: on Perlmutter \`module load cudatoolkit\` at a 13.x version (\`module avail" \
-	   "cudatoolkit\`), or set CUDA_HOME to a CUDA 13 toolkit"; exit 1)
+	@"$(CUDA_HOME)/bin/nvcc" --version 2>/dev/null | grep -q 'release 13\.' || \
+	  (echo "setup-gpu: Transformer Engine's torch extension and flash-attn compile with CUDA 13, and" \
+	   "CUDA_HOME='$(CUDA_HOME)' holds no CUDA 13 nvcc: on Perlmutter \`module load cudatoolkit\` at a" \
+	   "13.x version (\`module avail cudatoolkit\`), which sets CUDA_HOME; elsewhere set it"; exit 1)
 	$(PYTHON) -m venv .venv-gpu
 	echo '*' > .venv-gpu/.gitignore
 	$(GPU_PIP) install -q --upgrade pip
 	# No constraints.txt here: it pins the CPU torch. The lock holds every package, so pip adds none.
 	$(GPU_PIP) install -q -r requirements-gpu.lock
+	# On a rerun, the last run's Megatron-Bridge would fail the check (it is installed without its deps).
+	$(GPU_PIP) uninstall -q -y megatron-bridge
 	$(GPU_PIP) check
 	$(GPU_PIP) install -q --no-deps $(call pin,megatron-bridge)
-	@test -f $(GPU_SITE)/nvidia/cudnn/include/cudnn.h || \
-	  (echo "setup-gpu: no cudnn.h in $(GPU_SITE)/nvidia/cudnn (nvidia-cudnn-cu13's wheel brings it)"; exit 1)
 	CPATH=$(GPU_CPATH)$${CPATH:+:$$CPATH} NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE \
 	  $(GPU_PIP) install --no-deps --no-build-isolation $(call pin,transformer-engine-torch)
 	FLASH_ATTENTION_FORCE_BUILD=TRUE $(GPU_PIP) install --no-deps --no-build-isolation $(call pin,flash-attn)
 	# --no-deps, and after the check: pyproject.toml's pins are the CPU side's (torch, transformers).
 	$(GPU_PIP) install -q --no-deps -e .
 	# Works on a login node (no GPU): a torch without CUDA here would mean the wrong wheel came in. The
-	# modules are what launch/verl_job.py asks of the jobs' Python for verl's megatron backend.
+	# modules are those launch/verl_job.py asks of the jobs' Python for verl's megatron backend (found,
+	# not imported: Transformer Engine loads libcuda, the driver's, on import).
 	.venv-gpu/bin/python -c "import torch; from importlib.metadata import version as v; \
 	  from importlib.util import find_spec; assert torch.version.cuda, 'a CPU torch'; \
-	  assert all(map(find_spec, ['megatron.bridge', 'transformer_engine.pytorch', 'flash_attn'])); \
+	  assert all(map(find_spec, ['megatron.bridge', 'transformer_engine_torch', 'flash_attn'])); \
 	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', v('vllm'), 'verl', v('verl'), \
 	        'megatron-bridge', v('megatron-bridge'), 'flash-attn', v('flash-attn'))"
 	touch $@
