@@ -9,7 +9,7 @@ The test runs under .venv's CPython 3.11, so pip resolves for another interprete
 manylinux platforms and --only-binary=:all:, with markers evaluated for 3.12 (pip evaluates them
 for the Python running it; PIP below says how). The lock's two sdist-only pins are built into
 pure-Python wheels first. pip reads metadata only (PEP 658 files, else HTTP range requests into the
-wheel); the test fails if it downloads a wheel whole. About a minute, most of it PyPI's index pages.
+wheel); the test fails if it downloads a wheel whole. About three minutes, most of it waiting on PyPI.
 """
 
 from __future__ import annotations
