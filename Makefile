@@ -31,27 +31,53 @@ setup: .venv/.done
 
 # A venv of its own: verl's vllm extra and vLLM pin torch 2.11.0 (PyPI's CUDA 13 build), not .venv's
 # CPU torch 2.13.0, and `setup` refuses nvidia-* packages. Its .gitignore keeps git and ruff out of it.
-# The lock is resolved for Linux x86_64 CPython 3.11 (tests/unit/test_gpu_lock.py): PYTHON must be 3.11.
+# The locks are resolved for Linux x86_64 CPython 3.12 (tests/unit/test_gpu_lock.py): PYTHON must be 3.12.
+# requirements-gpu-nodeps.lock comes after the check, without dependencies: Megatron-Bridge (its
+# header says why), then Transformer Engine's torch extension and flash-attn, compiled here against
+# the installed torch. Those two need a CUDA 13 toolkit in CUDA_HOME (its nvcc); cuDNN's,
+# cudnn-frontend's, NCCL's and cuBLAS's headers also come from the lock's wheels (GPU_CPATH). The torch
+# extension is C++ (28 min on 2 cores); flash-attn's CUDA kernels build for four GPU generations unless
+# FLASH_ATTN_CUDA_ARCHS=80 (A100s only, far sooner). MAX_JOBS bounds the compilers' memory.
+# NVTE_PYTORCH_FORCE_BUILD, FLASH_ATTENTION_FORCE_BUILD: compile, never fetch a prebuilt wheel.
 PYTHON  ?= python3
 GPU_PIP := .venv-gpu/bin/pip
+NODEPS  := requirements-gpu-nodeps.lock
+pin      = $(shell grep -i '^$(1)==' $(NODEPS))
+GPU_SITE = .venv-gpu/lib/python3.12/site-packages
+S        = $(CURDIR)/$(GPU_SITE)
+GPU_CPATH = $(S)/nvidia/cudnn/include:$(S)/nvidia/nccl/include:$(S)/include:$(S)/nvidia/cu13/include
 
 setup-gpu: .venv-gpu/.done
 
-.venv-gpu/.done: requirements-gpu.lock pyproject.toml
-	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || \
-	  (echo "setup-gpu: requirements-gpu.lock is for Python 3.11; run with PYTHON=python3.11"; exit 1)
+.venv-gpu/.done: requirements-gpu.lock $(NODEPS) pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || \
+	  (echo "setup-gpu: requirements-gpu.lock is for CPython 3.12 ($(PYTHON) is not); run with PYTHON=python3.12"; exit 1)
+	@"$(CUDA_HOME)/bin/nvcc" --version 2>/dev/null | grep -q 'release 13\.' || \
+	  (echo "setup-gpu: Transformer Engine's torch extension and flash-attn compile with CUDA 13, and" \
+	   "CUDA_HOME='$(CUDA_HOME)' holds no CUDA 13 nvcc: on Perlmutter \`module load cudatoolkit\` at a" \
+	   "13.x version (\`module avail cudatoolkit\`), which sets CUDA_HOME; elsewhere set it"; exit 1)
 	$(PYTHON) -m venv .venv-gpu
 	echo '*' > .venv-gpu/.gitignore
 	$(GPU_PIP) install -q --upgrade pip
 	# No constraints.txt here: it pins the CPU torch. The lock holds every package, so pip adds none.
 	$(GPU_PIP) install -q -r requirements-gpu.lock
+	# On a rerun, the last run's Megatron-Bridge would fail the check (it is installed without its deps).
+	$(GPU_PIP) uninstall -q -y megatron-bridge
 	$(GPU_PIP) check
+	$(GPU_PIP) install -q --no-deps $(call pin,megatron-bridge)
+	CPATH=$(GPU_CPATH)$${CPATH:+:$$CPATH} NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE \
+	  $(GPU_PIP) install --no-deps --no-build-isolation $(call pin,transformer-engine-torch)
+	FLASH_ATTENTION_FORCE_BUILD=TRUE $(GPU_PIP) install --no-deps --no-build-isolation $(call pin,flash-attn)
 	# --no-deps, and after the check: pyproject.toml's pins are the CPU side's (torch, transformers).
 	$(GPU_PIP) install -q --no-deps -e .
-	# Works on a login node (no GPU): a torch without CUDA here would mean the wrong wheel came in.
+	# Works on a login node (no GPU): a torch without CUDA here would mean the wrong wheel came in. The
+	# modules are those launch/verl_job.py asks of the jobs' Python for verl's megatron backend (found,
+	# not imported: Transformer Engine loads libcuda, the driver's, on import).
 	.venv-gpu/bin/python -c "import torch; from importlib.metadata import version as v; \
-	  assert torch.version.cuda, 'a CPU torch'; \
-	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', v('vllm'), 'verl', v('verl'))"
+	  from importlib.util import find_spec; assert torch.version.cuda, 'a CPU torch'; \
+	  assert all(map(find_spec, ['megatron.bridge', 'transformer_engine_torch', 'flash_attn'])); \
+	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', v('vllm'), 'verl', v('verl'), \
+	        'megatron-bridge', v('megatron-bridge'), 'flash-attn', v('flash-attn'))"
 	touch $@
 
 # Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.

@@ -122,29 +122,50 @@ def check_verl_job(
     check_generation(field, rollout, sampling, overrides, (nnodes, gpus_per_node))
 
 
-# verl 0.9.1's megatron engine builds its models with Megatron-Bridge, on Transformer Engine layers
-MEGATRON_BACKEND_PACKAGES = {"megatron.bridge": "Megatron-Bridge", "transformer_engine": "Transformer Engine"}
+# verl 0.9.1's megatron engine builds its models with Megatron-Bridge, on Transformer Engine layers,
+# and forces flash attention; `make setup-gpu` builds the last two (requirements-gpu-nodeps.lock).
+# transformer_engine_torch is Transformer Engine's compiled torch extension, which the core wheel lacks.
+MEGATRON_BACKEND_PACKAGES = {
+    "megatron.bridge": "Megatron-Bridge",
+    "transformer_engine_torch": "Transformer Engine's torch extension",
+    "flash_attn": "flash-attn",
+}
+PACKING_PACKAGES = {"flash_attn": "flash-attn"}
 
 
 def check_backend_installed(stage: GRPOStage, sid: str) -> None:
     """The jobs run with this Python: a backend whose packages it lacks would die at import, after
-    the stages before it have run for hours."""
-    if stage.verl.remove_padding and not _installed("flash_attn"):
-        raise ConfigError(
-            f"{sid}.verl.remove_padding",
-            f"packing needs flash-attn in {sys.executable}, which runs the jobs; requirements-gpu.lock "
-            "has none (PyPI has no wheel): build it for this torch, or set it false",
+    the stages before it have run for hours. Refused where this Python is a GPU venv (a CUDA torch,
+    as `make setup-gpu` installs); where it is not (the CPU .venv, checking or dry-running a GPU
+    config), one warning line on stderr instead."""
+    needs = {"remove_padding": PACKING_PACKAGES} if stage.verl.remove_padding else {}
+    if stage.verl.backend == "megatron":
+        needs["backend"] = MEGATRON_BACKEND_PACKAGES
+    for field, packages in needs.items():
+        names = [name for module, name in packages.items() if not _installed(module)]
+        if not names:
+            continue
+        missing = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        what = "packing" if field == "remove_padding" else "'megatron'"
+        if _cuda_torch():
+            raise ConfigError(
+                f"{sid}.verl.{field}",
+                f"{what} needs {missing} in {sys.executable}, which runs the jobs: `make setup-gpu` "
+                "builds them into .venv-gpu",
+            )
+        print(
+            f"hpcr1: warning: {sid}.verl.{field}: {what} needs {missing} in the jobs' Python, and "
+            f"{sys.executable} (no CUDA torch) lacks {'them' if len(names) > 1 else 'it'}: submit with "
+            ".venv-gpu/bin/hpcr1, which `make setup-gpu` builds with them",
+            file=sys.stderr,
         )
-    if stage.verl.backend != "megatron":
-        return
-    missing = [name for module, name in MEGATRON_BACKEND_PACKAGES.items() if not _installed(module)]
-    if missing:
-        raise ConfigError(
-            f"{sid}.verl.backend",
-            f"'megatron' needs {' and '.join(missing)} in {sys.executable}, which runs the jobs; "
-            "requirements-gpu.lock cannot install them (Megatron-Bridge 0.3.1 requires transformers<5, "
-            "vLLM 0.24.0 pins 5.9.0; Transformer Engine's torch extension has no wheel on PyPI)",
-        )
+
+
+def _cuda_torch() -> bool:
+    """Whether this Python's torch is a CUDA build: the GPU venv's, not the CPU .venv's."""
+    import torch
+
+    return torch.version.cuda is not None
 
 
 def _installed(module: str) -> bool:

@@ -1,52 +1,118 @@
-"""requirements-gpu.lock (what `make setup-gpu` installs) is one consistent set: pip resolves it
-against PyPI to exactly the locked versions and nothing else, vLLM's torch pin is the locked torch,
-verl 0.9.1's requirements (its `vllm` extra included) accept the locked vLLM, and the lock's header
-names the torch it pins. pip reads metadata only (PEP 658 files, else HTTP range requests into the
-wheel); the test fails if it downloads a wheel whole. About a minute, most of it PyPI's index pages.
+"""requirements-gpu.lock (what `make setup-gpu` installs) is one consistent set for Linux x86_64
+CPython 3.12: pip resolves it against PyPI to exactly the locked versions and nothing else, vLLM's
+torch pin is the locked torch, verl 0.9.1's requirements (its `vllm` extra included) accept the
+locked vLLM, and the lock's header names the torch it pins. requirements-gpu-nodeps.lock (installed
+after it, without dependencies) has what verl's megatron backend imports: Megatron-Bridge, whose
+import-time needs the lock must meet, and the two source builds, whose every requirement it must.
+
+The test runs under .venv's CPython 3.11, so pip resolves for another interpreter: --python-version,
+manylinux platforms and --only-binary=:all:, with markers evaluated for 3.12 (pip evaluates them
+for the Python running it; PIP below says how). The lock's two sdist-only pins are built into
+pure-Python wheels first. pip reads metadata only (PEP 658 files, else HTTP range requests into the
+wheel); the test fails if it downloads a wheel whole. About three minutes, most of it waiting on PyPI.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import tomllib
 import urllib.error
 import urllib.request
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import canonicalize_name, parse_sdist_filename
 from packaging.version import Version
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements-gpu.lock"
+NODEPS = REPO / "requirements-gpu-nodeps.lock"
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
 # Anything bigger fetched whole means pip downloaded a wheel instead of reading its metadata.
 MAX_WHOLE_FILE_BYTES = 20 * 2**20
 # urllib3's debug line for each response, in pip's --log file.
 RESPONSE = re.compile(r'"GET (\S+) HTTP/[\d.]+" (\d{3}) (\d+|None)')
 
+PYTHON = "3.12.3"  # the GPU nodes' CPython (the lent machines' image has 3.12.3)
+# glibc 2.31 and newer: every manylinux tag a wheel there may carry.
+PLATFORMS = ["manylinux1", "manylinux2010", "manylinux2014"] + [
+    f"manylinux_2_{minor}" for minor in (5, 12, *range(17, 32))
+]
+# pip runs with markers evaluated for PYTHON: it evaluates them with packaging's
+# default_environment(), the running interpreter's, and --python-version changes only which files
+# it picks and Requires-Python (vllm 0.24.0, e.g., wants setuptools<81 on Python 3.12 alone).
+PIP = f"""
+import sys
+import pip._vendor.packaging.markers as markers
+running = markers.default_environment
+markers.default_environment = lambda: {{**running(), "python_version": "{PYTHON[:4]}",
+    "python_full_version": "{PYTHON}", "implementation_version": "{PYTHON}"}}
+from pip._internal.cli.main import main
+sys.exit(main())
+"""
+# Pins PyPI has as sdists only; pip wheel builds them (with this Python: both are pure Python).
+SDIST_ONLY = ("deepspeed", "antlr4-python3-runtime")
 
-def locked() -> dict[str, Requirement]:
-    """The lock's lines by canonical name; each must be an exact `name[extras]==version` pin."""
+# What the modules verl 0.9.1 imports from Megatron-Bridge (megatron.bridge, its training.config,
+# training.checkpointing, training.utils.{train,config}_utils, peft.utils, models.gpt_provider and
+# models.conversion.{param_mapping,model_bridge}) import when loaded, through megatron-core's modules
+# they load: the distributions behind every module-level import not under try/except ImportError,
+# read from Megatron-Bridge 0.5.1's and megatron-core 0.18.2's sources. Each must be in a lock.
+BRIDGE_IMPORTS = {
+    "megatron-core": "megatron.core, megatron.training",
+    "torch": "torch",
+    "triton": "megatron.core's paged_stash",
+    "transformer-engine": "transformer_engine (peft.lora)",
+    "transformer-engine-torch": "transformer_engine.pytorch (peft.lora)",
+    "transformers": "the model bridges",
+    "nvidia-modelopt": "modelopt (auto_bridge, checkpointing)",
+    "flash-attn": "flash_attn (models.bailing)",
+    "datasets": "data.datasets.sft",
+    "einops": "models.qwen_vl",
+    "omegaconf": "models.config",
+    "pyyaml": "yaml",
+    "tqdm": "data.datasets",
+    "rich": "models.conversion",
+    "typing-extensions": "models.conversion.auto_bridge",
+    "numpy": "numpy",
+    "packaging": "packaging",
+    "safetensors": "auto_bridge",
+    "filelock": "models.hf_pretrained",
+}
+# Megatron-Bridge's declared ranges for the above that the lock does not meet, and why that is
+# accepted. (What it declares and nothing imports at load, e.g. flashinfer 0.6.8.post1, hydra-core
+# <=1.3.2, mlflow, timm, megatron-core's dev extra, is not installed or not met, and not checked.)
+DECLARED_NOT_MET = {
+    "transformers": "Megatron-Bridge 0.5.1 asks >=5.8.1,<5.9.0; verl[vllm] 0.9.1 and vLLM 0.24.0 pin "
+    "5.9.0. verl 0.9.1's own `megatron` extra pairs Megatron-Bridge 0.5.2 (r0.5.0, not on PyPI) with "
+    "its vllm extra's 5.9.0, and 0.5.1's code checks only minimum transformers versions",
+}
+
+
+def pins_of(path: Path) -> dict[str, Requirement]:
+    """A lock's lines by canonical name; each must be an exact `name[extras]==version` pin."""
     pins = {}
-    for number, line in enumerate(LOCK.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         req = Requirement(line)
         spec = list(req.specifier)
-        assert len(spec) == 1 and spec[0].operator == "==" and not req.marker, f"line {number}: {line}"
-        assert canonicalize_name(req.name) not in pins, f"line {number}: {req.name} pinned twice"
+        assert len(spec) == 1 and spec[0].operator == "==" and not req.marker, f"{path.name}:{number}: {line}"
+        assert canonicalize_name(req.name) not in pins, f"{path.name}:{number}: {req.name} pinned twice"
         pins[canonicalize_name(req.name)] = req
     return pins
 
@@ -64,46 +130,88 @@ def pypi_reachable() -> str | None:
     return None
 
 
-def resolve() -> tuple[dict, str]:
-    """pip's --report of installing the lock into nothing, and pip's debug log. pip runs without
-    this machine's pip configuration (extra indexes, find-links, constraints) and with an empty
-    cache, as on a fresh GPU node. The log (~80 MB) and the cache go once read."""
-    with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
-        report, log = Path(tmp, "report.json"), Path(tmp, "pip.log")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-        env["PIP_CONFIG_FILE"] = os.devnull
-        cmd = [
-            # --quiet, oddly, is what lets urllib3's debug lines (one a response) into the log.
-            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-            "--report", str(report), "--log", str(log), "--cache-dir", str(Path(tmp, "cache")),
-            "--index-url", INDEX, "--disable-pip-version-check",
-            # Where the index offers no PEP 658 metadata file, read METADATA out of the remote wheel
-            # with range requests instead of downloading it (torch's is 530 MB, vLLM's 280 MB).
-            "--use-feature=fast-deps",
-            "-r", str(LOCK),
-        ]  # fmt: skip
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        text = log.read_text()
-        # On a conflict pip's log says what asks for what ("The conflict is caused by: ...").
-        why = text[text.rfind("The conflict is caused by") :][:3000] if "conflict is caused" in text else ""
-        assert out.returncode == 0, f"pip could not resolve {LOCK.name}:\n{out.stderr[-3000:]}\n{why}"
-        return json.loads(report.read_text()), text
+def pip(tmp: str, *args: str) -> subprocess.CompletedProcess:
+    """pip for Linux x86_64 CPython 3.12, without this machine's pip configuration (extra indexes,
+    find-links, constraints) and with an empty cache, as on a fresh GPU node. Its debug log goes to
+    tmp/pip.log, one for all calls."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    cmd = [
+        # --quiet, oddly, is what lets urllib3's debug lines (one a response) into the log.
+        sys.executable, "-c", PIP, *args, "--quiet", "--log", str(Path(tmp, "pip.log")),
+        "--cache-dir", str(Path(tmp, "cache")), "--index-url", INDEX, "--disable-pip-version-check",
+    ]  # fmt: skip
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_the_gpu_lock_resolves_to_itself_and_torch_vllm_verl_agree():
-    if sys.platform != "linux" or platform.machine() != "x86_64" or sys.version_info[:2] != (3, 11):
-        pytest.skip(
-            "the lock is resolved for Linux x86_64 CPython 3.11, and pip evaluates markers and builds "
-            "deepspeed's and antlr4's sdists (no wheels on PyPI) for the interpreter running it"
-        )
-    pins = locked()
+def resolve(tmp: str, requirements: Path, *args: str) -> dict:
+    """pip's --report of installing `requirements` into nothing, for the GPU nodes' Python."""
+    report = Path(tmp, f"{requirements.stem}.json")
+    out = pip(
+        tmp, "install", "--dry-run", "--ignore-installed", "--report", str(report),
+        "--python-version", PYTHON[:4], "--implementation", "cp", "--only-binary=:all:",
+        *(f"--platform={p}_x86_64" for p in PLATFORMS),
+        # Where the index offers no PEP 658 metadata file, read METADATA out of the remote wheel
+        # with range requests instead of downloading it (torch's is 530 MB, vLLM's 280 MB).
+        "--use-feature=fast-deps", "-r", str(requirements), *args,
+    )  # fmt: skip
+    text = Path(tmp, "pip.log").read_text()
+    # On a conflict pip's log says what asks for what ("The conflict is caused by: ...").
+    why = text[text.rfind("The conflict is caused by") :][:3000] if "conflict is caused" in text else ""
+    assert out.returncode == 0, f"pip could not resolve {requirements.name}:\n{out.stderr[-3000:]}\n{why}"
+    return json.loads(report.read_text())
+
+
+def sdist_requirements(name: str, pinned: Version) -> list[Requirement]:
+    """Requires-Dist of `name`'s sdist on the index, read from its PKG-INFO (static since metadata
+    2.2): building it needs torch and CUDA."""
+    request = urllib.request.Request(
+        f"{INDEX.rstrip('/')}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        files = json.load(answer)["files"]
+    sdist = next(
+        f
+        for f in files
+        if f["filename"].endswith(".tar.gz") and parse_sdist_filename(f["filename"])[1] == pinned
+    )
+    assert sdist["size"] <= MAX_WHOLE_FILE_BYTES, f"{sdist['filename']}: {sdist['size']} bytes"
+    with urllib.request.urlopen(sdist["url"], timeout=120) as answer:
+        archive = tarfile.open(fileobj=io.BytesIO(answer.read()))
+    top = sdist["filename"].removesuffix(".tar.gz")
+    info = HeaderParser().parsestr(archive.extractfile(f"{top}/PKG-INFO").read().decode())
+    assert "Requires-Dist" not in (info.get_all("Dynamic") or []), f"{top}: its requirements are dynamic"
+    return [Requirement(r) for r in info.get_all("Requires-Dist") or []]
+
+
+def test_the_gpu_locks_resolve_to_themselves_and_meet_verls_megatron_backend():
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        pytest.skip("pip builds deepspeed's and antlr4's wheels here: they must be the Linux ones")
+    pins, nodeps = pins_of(LOCK), pins_of(NODEPS)
+    assert not set(pins) & set(nodeps), f"in both locks: {sorted(set(pins) & set(nodeps))}"
     if why := pypi_reachable():
         pytest.skip(why)
-    report, log = resolve()
+    with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
+        built = Path(tmp, "wheels")
+        sdists = [str(pins[name]) for name in SDIST_ONLY]
+        out = pip(tmp, "wheel", "--no-deps", "--wheel-dir", str(built), *sdists)
+        assert out.returncode == 0, f"pip could not build {sdists}:\n{out.stderr[-3000:]}"
+        wheels = sorted(p.name for p in built.iterdir())
+        assert len(wheels) == len(SDIST_ONLY) and all(w.endswith("-py3-none-any.whl") for w in wheels), wheels
+        report = resolve(tmp, LOCK, "--find-links", str(built))
+        # Megatron-Bridge alone, without its dependencies, as `make setup-gpu` installs it.
+        Path(tmp, "bridge.txt").write_text(f"{nodeps['megatron-bridge']}\n")
+        bridge = resolve(tmp, Path(tmp, "bridge.txt"), "--no-deps")["install"]
+        # pip fetched index pages, two small sdists to build wheels of, setuptools for that build,
+        # and pieces of wheels: nothing big whole. urllib3 logs each response; without those lines
+        # this check would prove nothing. (The source builds' sdists come below, through urllib.)
+        log = Path(tmp, "pip.log").read_text()
+    check_nothing_big_downloaded_whole(log)
+    want, resolved, env = check_the_lock(pins, report)
+    check_verls_megatron_backend(want, resolved, env, nodeps, bridge)
 
-    # pip fetched index pages, two small sdists to build their metadata, setuptools for that build,
-    # and pieces of wheels: nothing big whole. urllib3 logs each response; without those lines
-    # this check would prove nothing.
+
+def check_nothing_big_downloaded_whole(log: str) -> None:
     responses = RESPONSE.findall(log)
     assert any("/torch-" in path for path, _, _ in responses), "pip's log records no responses"
     whole = [
@@ -113,7 +221,16 @@ def test_the_gpu_lock_resolves_to_itself_and_torch_vllm_verl_agree():
     ]
     assert not whole, f"pip downloaded these whole instead of reading their metadata: {whole}"
 
-    # Every locked package resolves to exactly its locked version; nothing unpinned comes along.
+
+def applying(reqs: list[Requirement], env: dict, extras: set[str]) -> list[Requirement]:
+    return [
+        r for r in reqs if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in extras)
+    ]
+
+
+def check_the_lock(pins: dict[str, Requirement], report: dict):
+    """Every locked package resolves to exactly its locked version; nothing unpinned comes along;
+    torch, vLLM and verl agree. Returns (pinned versions, pip's report by name, marker environment)."""
     resolved = {canonicalize_name(i["metadata"]["name"]): i for i in report["install"]}
     got = {name: Version(i["metadata"]["version"]) for name, i in resolved.items()}
     want = {name: version(req) for name, req in pins.items()}
@@ -125,21 +242,18 @@ def test_the_gpu_lock_resolves_to_itself_and_torch_vllm_verl_agree():
     assert "vllm" in pins["verl"].extras, "the lock must install verl with its `vllm` extra"
 
     env = {**default_environment(), **report["environment"]}
+    assert env["python_version"] == PYTHON[:4], f"pip evaluated markers for Python {env['python_version']}"
 
     def requirements(name: str) -> list[Requirement]:
-        """`name`'s Requires-Dist that apply here (Linux x86_64 CPython 3.11), with the extras pip
+        """`name`'s Requires-Dist that apply here (Linux x86_64 CPython 3.12), with the extras pip
         was asked for and those they ask for in turn (verl[vllm] asks for verl[verl-core])."""
         reqs = [Requirement(r) for r in resolved[name]["metadata"].get("requires_dist", [])]
         extras = {""} | set(resolved[name].get("requested_extras") or ())
         while True:
-            applying = [
-                r
-                for r in reqs
-                if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in extras)
-            ]
-            more = {e for r in applying if canonicalize_name(r.name) == name for e in r.extras} - extras
+            apply = applying(reqs, env, extras)
+            more = {e for r in apply if canonicalize_name(r.name) == name for e in r.extras} - extras
             if not more:
-                return [r for r in applying if canonicalize_name(r.name) != name]
+                return [r for r in apply if canonicalize_name(r.name) != name]
             extras |= more
 
     def wanted_by(name: str, dep: str) -> list[Requirement]:
@@ -173,3 +287,49 @@ def test_the_gpu_lock_resolves_to_itself_and_torch_vllm_verl_agree():
     )
     if cpu_torch != torch:
         assert f"torch=={cpu_torch}" in header, "the header must say the CPU side pins another torch"
+    return want, resolved, env
+
+
+def check_verls_megatron_backend(want, resolved, env, nodeps: dict[str, Requirement], bridge: list) -> None:
+    """What verl's megatron backend imports is installed: Megatron-Bridge at the nodeps lock's
+    version, what its modules import at load time pinned at versions it declares (or excused in
+    DECLARED_NOT_MET), and the source builds with every requirement pinned."""
+    every = {**want, **{name: version(req) for name, req in nodeps.items()}}
+    # Megatron-Bridge: pip found the pinned wheel for CPython 3.12 (it requires >=3.12,<3.13).
+    (wheel,) = bridge
+    assert canonicalize_name(wheel["metadata"]["name"]) == "megatron-bridge"
+    assert Version(wheel["metadata"]["version"]) == every["megatron-bridge"]
+    declared = applying([Requirement(r) for r in wheel["metadata"]["requires_dist"]], env, {"", "te"})
+    missing = sorted(set(BRIDGE_IMPORTS) - set(every))
+    assert not missing, f"Megatron-Bridge's modules that verl imports need {missing}: in no lock"
+    unmet = {}
+    for req in declared:
+        dep = canonicalize_name(req.name)
+        if dep in BRIDGE_IMPORTS and not req.specifier.contains(every[dep], prereleases=True):
+            unmet[dep] = f"{req} (locked: {every[dep]})"
+    assert set(unmet) == set(DECLARED_NOT_MET), (
+        f"Megatron-Bridge {every['megatron-bridge']} declares, for what its modules import: {unmet}; "
+        f"DECLARED_NOT_MET excuses {sorted(DECLARED_NOT_MET)}, and must name exactly those"
+    )
+
+    # verl 0.9.1's `megatron` extra (and the flash-attn extra it asks for) accepts our pins of what
+    # it shares with us; it pins megatron-bridge==0.5.2, which PyPI lacks (the nodeps lock says so).
+    verl_reqs = [Requirement(r) for r in resolved["verl"]["metadata"]["requires_dist"]]
+    verl_megatron = applying(verl_reqs, env, {"megatron", "flash-attn-cu130torch211"})
+    for dep in ("megatron-core", "transformer-engine", "nvidia-modelopt", "flash-attn"):
+        reqs = [r for r in verl_megatron if canonicalize_name(r.name) == dep]
+        assert reqs, f"verl[megatron] does not ask for {dep}"
+        for req in reqs:
+            assert every[dep] in req.specifier, f"verl[megatron] wants {req}, the locks have {every[dep]}"
+    assert any(canonicalize_name(r.name) == "megatron-bridge" for r in verl_megatron)
+
+    # The source builds: every requirement pinned, at a version it accepts (transformer-engine-torch
+    # pins its core wheel, so the two Transformer Engine versions agree).
+    for name in ("transformer-engine-torch", "flash-attn"):
+        for req in applying(sdist_requirements(name, every[name]), env, {""}):
+            dep = canonicalize_name(req.name)
+            assert dep in want, f"{name} needs {req}, which requirements-gpu.lock lacks"
+            assert req.specifier.contains(want[dep], prereleases=True), (
+                f"{name} needs {req}, lock: {want[dep]}"
+            )
+    assert every["transformer-engine"] == every["transformer-engine-torch"]

@@ -16,6 +16,7 @@ import pytest
 
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
+from launch import verl_job
 from launch.verl_job import check_verl_job
 from pipeline.cli import main
 from runtime.trace_parser import parse_trace
@@ -146,17 +147,28 @@ def test_a_token_budget_shorter_than_one_sequence_names_the_field():
     assert config_70b("stage2_grpo.verl.max_tokens_per_gpu=896").stage2_grpo.verl.max_tokens_per_gpu == 896
 
 
-def test_packing_without_flash_attn_is_refused_at_submission_naming_the_field(tmp_path):
-    """This venv has no flash-attn (nor has requirements-gpu.lock): verl would die at model load."""
+def test_packing_without_flash_attn_warns_here_and_is_refused_in_a_gpu_venv(tmp_path, monkeypatch, capsys):
+    """verl would die at model load without flash-attn. This CPU .venv (no CUDA torch) has none and
+    only checks or dry-runs a GPU config: a warning naming the field. A venv with a CUDA torch runs
+    the jobs: there it is refused."""
+    if verl_job._installed("flash_attn"):
+        pytest.skip("this Python has flash-attn")
     cfg = config_70b("stage2_grpo.verl.backend=fsdp", "stage2_grpo.verl.remove_padding=true")
     overrides = check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
     arr = compose_verl_config(overrides).actor_rollout_ref
     assert (
         arr.model.use_remove_padding and arr.model.override_config.attn_implementation == "flash_attention_2"
     )
+    check_verl_job(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("hpcr1: warning: stage2_grpo.verl.remove_padding: packing needs flash-attn")
+    assert "make setup-gpu" in line
+
+    monkeypatch.setattr(verl_job, "_cuda_torch", lambda: True)
     with pytest.raises(ConfigError) as e:
         check_verl_job(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
     assert e.value.field == "stage2_grpo.verl.remove_padding" and "flash-attn" in str(e.value)
+    assert "make setup-gpu" in str(e.value)
 
 
 def test_a_batch_verl_rejects_is_exit_2_naming_our_field_and_writes_nothing(tmp_path, capsys):

@@ -14,6 +14,7 @@ import pytest
 
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
+from launch import verl_job
 from launch.slurm_launch import run_stage_in_allocation
 from launch.verl_job import (
     MEGATRON_BACKEND_PACKAGES,
@@ -154,14 +155,35 @@ def test_native_generation_of_70b_is_refused_before_anything_is_written(
     assert not (tmp_path / "run").exists()
 
 
-def test_grpo_on_verls_megatron_backend_is_refused_where_its_packages_are_missing(tmp_path, capsys):
-    """verl 0.9.1's megatron engine imports Megatron-Bridge and Transformer Engine in the jobs,
-    which run with the Python that submits them."""
+def test_grpo_on_verls_megatron_backend_warns_from_the_cpu_venv_naming_what_the_jobs_need(tmp_path, capsys):
+    """verl 0.9.1's megatron engine imports Megatron-Bridge, Transformer Engine's torch extension and
+    flash-attn in the jobs, which run with the Python that submits them. This CPU .venv lacks them,
+    and checks (dry-runs) the GPU config: it submits, with one warning line a GRPO stage."""
     if all(_installed(module) for module in MEGATRON_BACKEND_PACKAGES):
         pytest.skip("this Python has verl's megatron backend")
     rc = submit_70b(tmp_path)
     err = capsys.readouterr().err
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("hpcr1: warning:")]
+    assert [w.split(":")[2].strip() for w in warnings] == [
+        "stage2_grpo.verl.backend",
+        "stage4_grpo.verl.backend",
+    ]
+    for line in warnings:
+        assert "Megatron-Bridge" in line and "Transformer Engine" in line and "flash-attn" in line
+        assert "make setup-gpu" in line
+    assert (tmp_path / "run" / "stage2_grpo" / "logs" / "stage2_grpo.sbatch").exists()
+
+
+def test_grpo_on_verls_megatron_backend_is_refused_by_a_gpu_venv_without_it(tmp_path, capsys, monkeypatch):
+    """A venv with a CUDA torch is one the jobs run with: lacking the backend, it submits nothing."""
+    if all(_installed(module) for module in MEGATRON_BACKEND_PACKAGES):
+        pytest.skip("this Python has verl's megatron backend")
+    monkeypatch.setattr(verl_job, "_cuda_torch", lambda: True)
+    rc = submit_70b(tmp_path)
+    err = capsys.readouterr().err
     assert rc == 2 and "stage2_grpo.verl.backend: 'megatron' needs" in err and "Traceback" not in err
+    assert "make setup-gpu" in err
     assert not (tmp_path / "run").exists()
 
 
