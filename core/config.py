@@ -246,8 +246,8 @@ class VerlConfig(VerlRolloutConfig):
     remove_padding: bool = False
     """Pack a micro-batch's sequences into one row (verl's use_remove_padding) with flash-attn's
     variable-length attention and its in-place cross-entropy: no padding, and the logits' gradient
-    takes no room of its own. Needs flash-attn importable on the nodes; requirements-gpu.lock has
-    none (PyPI has no wheel), so `hpcr1 submit` refuses this setting where it does not import."""
+    takes no room of its own. Needs flash-attn in the jobs' Python (PyPI has no wheel: `make
+    setup-gpu` builds it from source); `hpcr1 submit` from a CUDA venv without it refuses."""
     profile_steps: list[PositiveInt] = [2]
     """Steps recorded by the torch profiler (when profile.comm is on); their traces become
     <stage>/profile/ events."""

@@ -113,8 +113,8 @@ def backend_overrides(s: GRPOStage) -> dict:
     if v.backend == "fsdp":
         return {
             # verl loads HF models with flash_attention_2 unless told otherwise and packs sequences
-            # for it (use_remove_padding); requirements-gpu.lock has no flash-attn (no wheel on PyPI),
-            # so sdpa unless the user has installed it and asked for packing.
+            # for it (use_remove_padding); flash-attn is a source build (no wheel on PyPI) that
+            # only `make setup-gpu` with a CUDA toolkit makes, so sdpa unless packing is asked for.
             "+actor_rollout_ref.model.override_config.attn_implementation": (
                 "flash_attention_2" if v.remove_padding else "sdpa"
             ),
