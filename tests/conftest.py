@@ -4,9 +4,11 @@ the report's Markdown tables back."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,34 @@ def hpcr1_run(
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def run_once(root: Path, *common: str):
+    """`get(name, *overrides, env=None)`: the run directory root/name, made by `hpcr1_run` with
+    `common` and `overrides` on first request and shared by every later one (a module's tests
+    compare runs without repeating them)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str, *overrides: str, env: dict[str, str] | None = None) -> Path:
+        if name not in made:
+            made[name] = root / name
+            hpcr1_run(made[name], *common, *overrides, env=env)
+        return made[name]
+
+    return get
+
+
+def kill_run_at_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
+    """Start `hpcr1 run` into run_dir and SIGKILL it with its ranks as soon as stage 1's checkpoint
+    of `step` is sealed."""
+    proc = hpcr1_run(run_dir, *overrides, wait=False)
+    ckpt = run_dir / "stage1_sft" / "ckpt" / f"step-{step:06d}"
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def resumed_steps(run_dir: Path, stage_id: str = "stage1_sft") -> list[int]:

@@ -20,7 +20,7 @@ from stages.data.examples import read_examples
 from stages.data.sft_batches import GlobalBatchOrder, tokenize_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.models.hf_files import read_hf_weights
-from tests.conftest import hpcr1_run, resumed_steps
+from tests.conftest import hpcr1_run, kill_run_at_checkpoint, resumed_steps, run_once
 
 pytestmark = pytest.mark.dist
 
@@ -40,16 +40,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    made: dict[str, Path] = {}
-
-    def get(name: str, *overrides: str) -> Path:
-        if name not in made:
-            made[name] = root / name
-            hpcr1_run(made[name], *SHORT, *overrides)
-        return made[name]
-
-    return get
+    return run_once(tmp_path_factory.mktemp("pipeline"), *SHORT)
 
 
 @pytest.mark.parametrize(
@@ -105,14 +96,7 @@ def test_the_pipeline_moves_the_activations_and_their_gradients(runs):
 def test_a_killed_pipeline_run_resumes_to_the_same_bytes(runs, tmp_path):
     reference = runs("pp2", *PP2)
     run_dir = tmp_path / "killed"
-    proc = hpcr1_run(run_dir, *SHORT, *PP2, wait=False)
-    ckpt = run_dir / "stage1_sft" / "ckpt" / "step-000002"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_run_at_checkpoint(run_dir, 2, *SHORT, *PP2)
     assert len(losses(run_dir)) < 4, "the run finished before it could be killed: nothing was tested"
 
     hpcr1_run(run_dir, *SHORT, *PP2)

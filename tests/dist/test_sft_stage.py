@@ -17,7 +17,7 @@ from stages.data.tokenizer import build_char_tokenizer
 from stages.inputs import TINY_VOCAB_SIZE
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.tiny import build_tiny_llama
-from tests.conftest import SMALL_RUN, hpcr1_run, resumed_steps
+from tests.conftest import SMALL_RUN, hpcr1_run, kill_run_at_checkpoint, resumed_steps, run_once
 
 pytestmark = pytest.mark.dist
 
@@ -32,16 +32,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Run directories made on demand and shared by the tests of this module."""
-    root = tmp_path_factory.mktemp("sft")
-    made: dict[str, Path] = {}
-
-    def get(name: str, *overrides: str) -> Path:
-        if name not in made:
-            made[name] = root / name
-            hpcr1_run(made[name], *overrides)
-        return made[name]
-
-    return get
+    return run_once(tmp_path_factory.mktemp("sft"))
 
 
 def test_dp2_losses_match_one_rank(runs):
@@ -82,14 +73,7 @@ def test_losses_fall_and_stage_is_recorded_done(runs):
 def test_killed_run_resumes_from_checkpoint_and_matches_uninterrupted(runs, tmp_path):
     reference = losses(runs("dp2"))
     run_dir = tmp_path / "killed"
-    proc = hpcr1_run(run_dir, wait=False)
-    ckpt = run_dir / "stage1_sft" / "ckpt" / "step-000005"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_run_at_checkpoint(run_dir, 5)
     killed_at = len(losses(run_dir))
     assert killed_at < 20, "the run finished before it could be killed: nothing was tested"
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests import fakegpu
-from tests.conftest import REPO, hpcr1_env, hpcr1_run
+from tests.conftest import REPO, hpcr1_env, hpcr1_run, run_once
 
 pytestmark = pytest.mark.dist
 SHORT_SFT = ["stage1_sft.steps=4", "stage1_sft.checkpoint_every=2"]
@@ -44,16 +44,8 @@ def rank_log(run_dir, stage_id: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fakegpu")
-    made = {}
-
-    def get(name: str, *overrides: str, device: bool) -> object:
-        if name not in made:
-            made[name] = root / name
-            hpcr1_run(made[name], *overrides, env=on_device() if device else None)
-        return made[name]
-
-    return get
+    get = run_once(tmp_path_factory.mktemp("fakegpu"))
+    return lambda name, *overrides, device: get(name, *overrides, env=on_device() if device else None)
 
 
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
