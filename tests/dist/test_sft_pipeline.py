@@ -24,7 +24,8 @@ from tests.conftest import hpcr1_run, kill_run_at_checkpoint, resumed_steps, run
 
 pytestmark = pytest.mark.dist
 
-SHORT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2", "eval.num_examples=4")
+# Short, and final/ scored greedily on a few problems only: what is tested is the training.
+SHORT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2", "eval.num_examples=4", "eval.samples=0")
 PP2 = ("nproc=4", "stage1_sft.parallel.pp=2")
 
 
