@@ -3,6 +3,7 @@ the report's Markdown tables back."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -141,6 +142,14 @@ def kill_run_at_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
     assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def sft_losses(run_dir: Path) -> list[float]:
+    """stage1_sft's loss at each step, from metrics.jsonl, checked to hold each step once, in order."""
+    lines = (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)), "each step exactly once, in order"
+    return [m["loss"] for m in steps]
 
 
 def resumed_steps(run_dir: Path, stage_id: str = "stage1_sft") -> list[int]:

@@ -21,18 +21,13 @@ from stages.data.sft_batches import GlobalBatchOrder, tokenize_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.models.hf_files import read_hf_weights
 from tests.conftest import hpcr1_run, kill_run_at_checkpoint, resumed_steps, run_once
+from tests.conftest import sft_losses as losses
 
 pytestmark = pytest.mark.dist
 
 # Short, and final/ scored greedily on a few problems only: what is tested is the training.
 SHORT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2", "eval.num_examples=4", "eval.samples=0")
 PP2 = ("nproc=4", "stage1_sft.parallel.pp=2")
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-    return [r["loss"] for r in rows]
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -60,10 +55,11 @@ def test_pipeline_stages_train_as_one_rank_does(runs, name, layout):
     AutoModelForCausalLM.from_pretrained(split / "stage1_sft" / "final")
 
 
-def expected_activation_bytes(run_dir: Path, dp_rank: int, dp_size: int, step: int) -> list[int]:
-    """What 1F1B must move between the two stages of one replica in `step` (1-based), each way: per
-    micro-batch an fp32 tensor [S, micro_batch, hidden], S the replica's longest sample less one (its
-    micro-batches share one shape), rebuilt here from the run's data and config."""
+def expected_activation_bytes(run_dir: Path, dp_size: int) -> dict[tuple[int, int], list[int]]:
+    """What 1F1B must move between the two stages of each replica in each step, each way, as
+    {(dp_rank, step 1-based): bytes per micro-batch}: an fp32 tensor [S, micro_batch, hidden], S the
+    replica's longest sample less one (its micro-batches share one shape), rebuilt here from the
+    run's data and config."""
     run = RunDir(run_dir)
     cfg = load_resolved(run)
     sft = cfg.stage1_sft
@@ -71,14 +67,20 @@ def expected_activation_bytes(run_dir: Path, dp_rank: int, dp_size: int, step: i
         load_tokenizer(run.base_model), read_examples(run.task_file("sft")), sft.max_seq_len
     )
     order = GlobalBatchOrder(len(samples), sft.global_batch_size, cfg.seed)
-    local = [samples[i] for i in order.indices(step - 1)][dp_rank::dp_size]
-    longest = max(len(s.input_ids) for s in local) - 1
     hidden = json.loads((run.base_model / "config.json").read_text())["hidden_size"]
-    return [sft.micro_batch_size * longest * hidden * 4] * (len(local) // sft.micro_batch_size)
+    out = {}
+    for step in range(1, sft.steps + 1):
+        batch = [samples[i] for i in order.indices(step - 1)]
+        for dp_rank in range(dp_size):
+            local = batch[dp_rank::dp_size]
+            longest = max(len(s.input_ids) for s in local) - 1
+            out[dp_rank, step] = [sft.micro_batch_size * longest * hidden * 4] * (len(local) // sft.micro_batch_size)
+    return out
 
 
 def test_the_pipeline_moves_the_activations_and_their_gradients(runs):
     run_dir = runs("pp2", *PP2)
+    expected = expected_activation_bytes(run_dir, dp_size=2)
     for path in sorted((run_dir / "stage1_sft" / "profile").glob("rank-*.jsonl")):
         events = [json.loads(line) for line in path.read_text().splitlines()]
         rank = events[0]["rank"]
@@ -89,7 +91,7 @@ def test_the_pipeline_moves_the_activations_and_their_gradients(runs):
                 e for e in events if e["step"] == step and e["op"] in ("send", "recv") and e["phase"] != "export"
             ]
             assert {e["phase"] for e in p2p} == {"pipeline_p2p"} and {e["peer"] for e in p2p} == {peer}
-            want = expected_activation_bytes(run_dir, dp_rank, 2, step)
+            want = expected[dp_rank, step]
             for op in ("send", "recv"):  # forward activations one way, their gradients back
                 assert [e["bytes"] for e in p2p if e["op"] == op] == want, (rank, step, op)
 

@@ -18,15 +18,9 @@ from stages.inputs import TINY_VOCAB_SIZE
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.tiny import build_tiny_llama
 from tests.conftest import SMALL_RUN, hpcr1_run, kill_run_at_checkpoint, resumed_steps, run_once
+from tests.conftest import sft_losses as losses
 
 pytestmark = pytest.mark.dist
-
-
-def losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines]
-    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)), "each step exactly once, in order"
-    return [m["loss"] for m in steps]
 
 
 @pytest.fixture(scope="module")
