@@ -115,7 +115,9 @@ def build_engine(hf_config, args):
     from stages.engines.megatron_deepspeed import MegatronMpu, deepspeed_config, device_args
     from stages.models.megatron_llama import build_megatron_llama
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, create_gloo_process_groups=False
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     dp = parallel_state.get_data_parallel_world_size()
     stage = SFTStage(

@@ -5,10 +5,13 @@ never appears twice."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from runtime.phases import take_phase_times
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -46,12 +49,24 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
-        ]
+        kept = [line for line in self._complete_lines() if json.loads(line)["step"] <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
+
+    def _complete_lines(self) -> list[str]:
+        """The file's lines, less a last one cut short (a kill or a full disk mid-write: it never
+        ended in a newline). A damaged line anywhere else is an error naming it."""
+        text = self.path.read_text()
+        lines = text.split("\n")
+        if lines[-1]:
+            log.warning("%s: dropping its last line, cut short: %r", self.path, lines[-1][:80])
+        for number, line in enumerate(lines[:-1], start=1):
+            try:
+                json.loads(line) if line else None
+            except ValueError as e:
+                raise ValueError(f"{self.path}, line {number}: not a JSON metrics line ({e})") from None
+        return [line for line in lines[:-1] if line]
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -103,9 +103,12 @@ class MegatronDeepSpeedEngine:
         p = stage.parallel  # zero_stage < 3, and < 2 with pp > 1: checked by the config
         # megatron gives its groups a timeout of its own (30 min): the stage's bound, where it has one.
         timeout = collective_timeout()
+        # No gloo twins of the groups: only megatron's own distributed optimizer and checkpointing
+        # use them (DeepSpeed holds ours), and on GPUs they would send CPU traffic over any interface.
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=p.tp,
             pipeline_model_parallel_size=p.pp,
+            create_gloo_process_groups=False,
             **({} if timeout is None else {"distributed_timeout_minutes": timeout.total_seconds() / 60}),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

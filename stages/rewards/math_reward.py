@@ -7,7 +7,9 @@ never to `eval`. math_verify's time is unbounded (sympy on 9^{9^{9}} never retur
 SIGALRM timeouts work only on the main thread and cannot interrupt C code), so it runs in a child
 process that the kernel ends when a comparison has used up its CPU time: the bound holds on any
 thread, and it is CPU time, not wall-clock time, so that a busy machine does not turn right answers
-into wrong ones (the same response must get the same reward in every run). `score` never raises.
+into wrong ones (the same response must get the same reward in every run). `score` raises only
+AnswerCheckerError, when math_verify's process cannot start: scoring every non-numeric answer as
+wrong would train on a false reward.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ SYMBOLIC_CPU_S = 0.5  # CPU time per math_verify comparison; a costlier one scor
 WORKER_HUNG_S = 600.0
 
 log = logging.getLogger(__name__)
+
+
+class AnswerCheckerError(RuntimeError):
+    """math_verify's process did not start, so a non-numeric answer cannot be scored."""
 
 
 @dataclass(frozen=True)
@@ -96,22 +102,22 @@ class _SymbolicWorker:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.ready = False  # the child has said "ready" (after its imports and math_verify's set-up)
-        self.unavailable = False
+        self.failure: str | None = None  # why the child could not start; every later match raises it
 
     def start(self) -> None:
         """Start the child without waiting for it, so that its set-up overlaps the caller's."""
         with self.lock:
-            if self.proc is None and not self.unavailable:
+            if self.proc is None and self.failure is None:
                 self._spawn()
 
     def match(self, predicted: str, truth: str) -> bool:
         with self.lock:
-            if self.unavailable:
-                return False
-            if self.proc is None:
+            if self.failure is None and self.proc is None:
                 self._spawn()
-            if not self.ready and not self._wait_ready():
-                return False
+            if self.failure is None and not self.ready:
+                self._wait_ready()
+            if self.failure is not None:
+                raise AnswerCheckerError(self.failure)
             reply = self._ask(json.dumps([truth, predicted]) + "\n")
             if reply is None:
                 self.stop()
@@ -126,17 +132,21 @@ class _SymbolicWorker:
                 stdout=subprocess.PIPE,
                 text=True,
             )
-        except OSError:
+        except OSError as e:
             self.proc = None
+            self.failure = f"the answer checker's process ({script}) could not be started: {e}"
 
-    def _wait_ready(self) -> bool:
-        self.ready = self.proc is not None and self._ask("") == "ready"
+    def _wait_ready(self) -> None:
+        self.ready = self._ask("") == "ready"
         if not self.ready:
-            # Without the worker every later call would wait for another failed start.
-            log.warning("math_verify worker did not start: non-numeric answers will score incorrect")
+            self.proc.kill()
+            code = self.proc.wait()
             self.stop()
-            self.unavailable = True
-        return self.ready
+            self.failure = (
+                f"the answer checker (math_verify, in {Path(__file__).with_name('symbolic_worker.py').name}) "
+                f"did not start (exit code {code}; its error is above in this log): non-numeric answers "
+                "cannot be scored. Is math-verify installed in this Python?"
+            )
 
     def _ask(self, request: str) -> str | None:
         """Send a request and read one line back, or None if the worker died (out of CPU time) or hung."""

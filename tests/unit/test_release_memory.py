@@ -65,3 +65,19 @@ def test_the_sft_engine_frees_its_model_and_optimizer_on_close(one_rank):
     engine.close()
     gc.collect()
     assert held[0]() is None
+
+
+def test_the_sft_engine_creates_no_gloo_copies_of_megatrons_groups(one_rank):
+    """On GPUs they would carry CPU-side traffic over whatever interface gloo picks."""
+    from megatron.core import parallel_state
+
+    from stages.engines.megatron_deepspeed import MegatronDeepSpeedEngine
+
+    model_dir, _ = one_rank
+    stage = SFTStage(global_batch_size=2, micro_batch_size=2, parallel=ParallelConfig(tp=1, zero_stage=1))
+    engine = MegatronDeepSpeedEngine(model_dir, stage, seed=0)
+    try:
+        assert parallel_state._DATA_PARALLEL_GROUP_GLOO is None
+        assert parallel_state._DATA_PARALLEL_GROUP_WITH_CP_GLOO is None
+    finally:
+        engine.close()

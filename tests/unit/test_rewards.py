@@ -247,3 +247,18 @@ def test_the_early_started_worker_is_the_one_that_scores():
     assert started is not None and math_reward._SYMBOLIC.proc is started
     assert score("<think></think><answer>\\frac{1}{2}</answer>", "0.5").correct
     assert math_reward._SYMBOLIC.proc is started and started.poll() is None
+
+
+def test_a_checker_that_cannot_start_stops_the_scoring_with_the_reason(tmp_path, monkeypatch):
+    """A broken math_verify install: every non-numeric answer would score wrong, a false reward.
+    Numeric answers, which never need it, still score."""
+    from stages.rewards import math_reward
+
+    (tmp_path / "math_verify.py").write_text("raise ImportError('math_verify is broken here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(math_reward, "_SYMBOLIC", math_reward._SymbolicWorker())
+    assert score(GOOD, "14197").correct
+    for _ in range(2):  # the second call raises at once, without another start
+        with pytest.raises(math_reward.AnswerCheckerError, match=r"did not start \(exit code 1"):
+            score("<think></think><answer>\\frac{1}{2}</answer>", "0.5")
+    assert math_reward._SYMBOLIC.proc is None
