@@ -304,9 +304,18 @@ class EndedRows:
         if self.immediate:
             self.step = t
             return
+        self.in_flight.append((t, self.landed_marker()))
+
+    def landed_marker(self) -> torch.Event:
+        """An event on the device's stream after the copy: its `query()` says the copy has landed."""
         event = torch.Event(device=self.device)
         event.record()
-        self.in_flight.append((t, event))
+        return event
+
+    def wait(self) -> None:
+        """Until every copy has landed: once a call, at its last step."""
+        for _, marker in self.in_flight:
+            marker.synchronize()
 
     def known(self) -> np.ndarray | None:
         """The latest finished mask that has landed [batch] (numpy: reading it is no device op), or
@@ -314,6 +323,23 @@ class EndedRows:
         while self.in_flight and self.in_flight[0][1].query():
             self.step = self.in_flight.popleft()[0]
         return None if self.step < 0 else self.host[self.step].numpy()
+
+    def first_all_ended(self) -> int:
+        """The first step at which every row had ended, of those the host knows."""
+        return int(np.flatnonzero(self.host[: self.step + 1].numpy().all(axis=1))[0])
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)  # a GPU's: on the host, no sync
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
 
 
 class RngRewind:
@@ -326,14 +352,14 @@ class RngRewind:
         self.after_step: dict[int, torch.Tensor] = {}
 
     def record(self, t: int, known_step: int) -> None:
-        if self.needed:  # a GPU's state is its seed and offset, on the host: no sync
-            self.after_step[t] = torch.get_device_module(self.device.type).get_rng_state(self.device)
+        if self.needed:
+            self.after_step[t] = get_rng_state(self.device)
             for step in [s for s in self.after_step if s < known_step]:
                 del self.after_step[step]
 
     def rewind_to(self, t: int) -> None:
         if self.needed:
-            torch.get_device_module(self.device.type).set_rng_state(self.after_step[t], self.device)
+            set_rng_state(self.after_step[t], self.device)
 
 
 class TokenScores:
@@ -415,9 +441,11 @@ def decode(
         out[:, t] = token.masked_fill_(finished, pad_id)
         finished |= token == eos_id
         ended.send(t, finished)
+        if t + 1 == max_new_tokens:
+            ended.wait()
         known = ended.known()
         if known is not None and known.all():
-            width = int(np.flatnonzero(ended.host[: ended.step + 1].numpy().all(axis=1))[0]) + 1
+            width = ended.first_all_ended() + 1
             rng.rewind_to(width - 1)
             break
         if t + 1 == max_new_tokens:

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from stages.data.tokenizer import build_char_tokenizer, encode_prompt
 from stages.generation import (
     Decoder,
+    EndedRows,
     TokenScores,
     decode,
     generate_responses,
@@ -397,3 +398,60 @@ def test_generate_calls_copy_no_weights_and_read_what_load_weights_wrote():
     assert not torch.equal(ours_after, ours_before)
     assert torch.equal(ours_after, hf_new_tokens(other, prompts, 20, eos_id=VOCAB + 1))
     assert read_layers(model)[0].qkv.data_ptr() == first[0].qkv.data_ptr()
+
+
+class LateMarker:
+    """A copy that lands on the host only at the third look, as a GPU's would while the host runs
+    ahead of it."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks >= 3
+
+    def synchronize(self) -> None:
+        self.looks = 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_host_that_learns_late_of_ended_rows_returns_the_same_tokens_and_rng_state(
+    monkeypatch, temperature
+):
+    """A GPU's host learns a step's finished rows some steps later, decodes on meanwhile and drops
+    ended rows late: the tokens, their width and where the RNG is left (where `generate` leaves it)
+    are those of a host that learns at once."""
+    model = random_llama(seed=1)
+    input_ids, attention = left_padded(ragged_prompts(3, seed=5), PAD)
+
+    def run(eos):
+        torch.manual_seed(5)
+        tokens = decode(model, input_ids, attention, 40, eos, PAD, temperature)
+        return tokens, torch.rand(4)
+
+    # eos: the token every row has drawn soonest (the RNG is consumed alike whatever eos is)
+    free_run = run(VOCAB + 1)[0]
+    last_first = {
+        tok: max((row == tok).nonzero()[0].item() for row in free_run)
+        for tok in range(1, VOCAB)
+        if all((row == tok).any() for row in free_run)
+    }
+    eos = min(last_first, key=last_first.get)
+    at_once = run(eos)
+    steps = []
+    step = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self, token, t: steps.append(t) or step(self, token, t))
+    original_init = EndedRows.__init__
+
+    def late(self, *args):
+        original_init(self, *args)
+        self.immediate = False
+
+    monkeypatch.setattr(EndedRows, "__init__", late)
+    monkeypatch.setattr(EndedRows, "landed_marker", lambda self: LateMarker())
+    late_tokens, late_rng = run(eos)
+    assert at_once[0].shape[1] < 40, "every row should end before the last step"
+    assert max(steps) >= at_once[0].shape[1], "the late host should have decoded past the end"
+    assert torch.equal(late_tokens, at_once[0])
+    assert torch.equal(late_rng, at_once[1])
