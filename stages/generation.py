@@ -354,6 +354,8 @@ class RngRewind:
     def record(self, t: int, known_step: int) -> None:
         if self.needed:
             self.after_step[t] = get_rng_state(self.device)
+            # the rows had not all ended at the step the host knows (it would have stopped): the
+            # step to rewind to is a later one
             for step in [s for s in self.after_step if s < known_step]:
                 del self.after_step[step]
 
