@@ -366,8 +366,10 @@ def test_the_decode_loop_does_not_wait_for_the_device_at_each_token(temperature)
 
     def waits(max_new_tokens):
         torch.manual_seed(5)
+        # sampled as the rollout samples: recording each token's log-prob and entropy
+        scores = TokenScores(16, max_new_tokens, temperature, torch.device("cpu")) if temperature else None
         with HostWaits() as counter:
-            tokens = decode(model, input_ids, attention, max_new_tokens, 2, PAD, temperature)
+            tokens = decode(model, input_ids, attention, max_new_tokens, 2, PAD, temperature, 0.9, scores)
         return counter.count, tokens
 
     few, short = waits(4)
