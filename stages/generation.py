@@ -11,12 +11,22 @@ the module's own), and samples like HF: logits in fp32, divided by the temperatu
 torch RNG, so the same seed draws the same tokens as `generate` with `top_k=0`. No top-k:
 `generate`'s default of 50 was never asked for, and the GRPO loss's log-probs are those of the
 untruncated tempered softmax.
+
+Nothing in the per-token loop waits for the device: the draw is `torch.multinomial`'s own algorithm
+without its validity check's `.item()` (the check is kept on the device and read once a call), and
+the host learns which rows have ended from non-blocking copies of the finished mask, read once they
+have landed (at once on the CPU; a step or two late on a GPU, whose extra draws are then rewound so
+the RNG ends where `generate` leaves it). The q/k/v and gate/up weights are fused once a model: their
+parameters become views of one buffer (see `fused`), so a call copies no weights and `load_weights`
+writes straight into what the next call reads.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits_naive
@@ -40,9 +50,8 @@ def left_padded(prompt_ids: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
 
 @dataclass
 class Layer:
-    """One decoder layer's weights, with q/k/v and gate/up concatenated so that each is one matmul.
-    The concatenations are copies made at every call (so they follow `load_weights`): while a call
-    generates, about 2/3 of the decoder's weights are held twice."""
+    """One decoder layer's weights, with q/k/v and gate/up fused so that each is one matmul: views
+    of the module's parameters, not copies (see `fused`)."""
 
     attn_norm: torch.Tensor
     qkv: torch.Tensor
@@ -56,8 +65,39 @@ class Layer:
     down_bias: torch.Tensor | None
 
 
-def _cat_bias(*linears) -> torch.Tensor | None:
-    return None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+def _consecutive(tensors: list[torch.Tensor]) -> bool:
+    """Contiguous, of one dtype, one after the other in one storage: one view spans them all."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if not (
+            t.is_contiguous()
+            and t.dtype == first.dtype
+            and t.untyped_storage().data_ptr() == storage
+            and t.storage_offset() == offset
+        ):
+            return False
+        offset += t.numel()
+    return True
+
+
+def fused(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters concatenated along dim 0, as a view. The first call copies them into one
+    buffer and points each parameter's `.data` at its rows of it: from then on a write to the
+    parameters (the rollout's `load_weights`, an optimizer step) is a write to the fused tensor, and
+    later calls find them consecutive and copy nothing. A module moved or reloaded since is fused
+    anew, once."""
+    if not _consecutive([p.data for p in params]):
+        buffer, start = torch.cat([p.data for p in params]), 0
+        for p in params:
+            p.data, start = buffer[start : start + len(p)], start + len(p)
+    first = params[0].detach()
+    rows = sum(len(p) for p in params)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _fused_bias(*linears) -> torch.Tensor | None:
+    return None if linears[0].bias is None else fused([m.bias for m in linears])
 
 
 def read_layers(model) -> list[Layer]:
@@ -67,13 +107,13 @@ def read_layers(model) -> list[Layer]:
         layers.append(
             Layer(
                 attn_norm=layer.input_layernorm.weight,
-                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv=fused([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                 out=attn.o_proj.weight,
                 out_bias=attn.o_proj.bias,
                 mlp_norm=layer.post_attention_layernorm.weight,
-                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                gate_up=fused([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
                 down=mlp.down_proj.weight,
                 down_bias=mlp.down_proj.bias,
             )
@@ -212,8 +252,23 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
 
 
+def multinomial_draw(probs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One token a row [b] from probs [b, vocab]: `torch.multinomial(probs, 1)`'s own algorithm
+    (exponential noise, the argmax of probs / noise), so the same RNG state draws the same tokens,
+    without its validity check's `.item()`: that check is and-ed into `valid`, read once a call."""
+    valid &= (probs.max() < float("inf")) & (probs.min() >= 0)
+    noise = torch.empty_like(probs).exponential_(1)
+    return probs.div_(noise).argmax(dim=-1)
+
+
 def next_tokens(
-    scores: torch.Tensor, rows: torch.Tensor, batch: int, pad_id: int, sample: bool, top_p: float
+    scores: torch.Tensor,
+    rows: torch.Tensor,
+    batch: int,
+    pad_id: int,
+    sample: bool,
+    top_p: float,
+    valid: torch.Tensor,
 ) -> torch.Tensor:
     """The next token of every row of the batch [batch], from the tempered logits of the rows still
     decoding [len(rows), vocab] (the raw logits when greedy); the others get pad_id. Sampling draws
@@ -229,7 +284,84 @@ def next_tokens(
     probs = torch.zeros(batch, scores.shape[1], dtype=scores.dtype, device=scores.device)
     probs[:, pad_id] = 1.0
     probs[rows] = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(1)
+    return multinomial_draw(probs, valid)
+
+
+class EndedRows:
+    """Which rows have ended, as the host learns it without waiting for the device: each step's
+    finished mask is copied, non-blocking, into host memory and read once its copy has landed. On
+    the CPU that is at once; on a GPU the host runs ahead and learns of step t a few steps later."""
+
+    def __init__(self, batch: int, max_new_tokens: int, device: torch.device):
+        self.device, self.immediate = device, device.type == "cpu"
+        # pinned where a GPU can copy into it asynchronously (pageable memory would make it wait)
+        self.host = torch.zeros(max_new_tokens, batch, dtype=torch.bool, pin_memory=device.type == "cuda")
+        self.in_flight: deque[tuple[int, torch.Event]] = deque()
+        self.step = -1  # the latest step whose mask the host has
+
+    def send(self, t: int, finished: torch.Tensor) -> None:
+        self.host[t].copy_(finished, non_blocking=True)
+        if self.immediate:
+            self.step = t
+            return
+        self.in_flight.append((t, self.landed_marker()))
+
+    def landed_marker(self) -> torch.Event:
+        """An event on the device's stream after the copy: its `query()` says the copy has landed."""
+        event = torch.Event(device=self.device)
+        event.record()
+        return event
+
+    def wait(self) -> None:
+        """Until every copy has landed: once a call, at its last step."""
+        for _, marker in self.in_flight:
+            marker.synchronize()
+
+    def known(self) -> np.ndarray | None:
+        """The latest finished mask that has landed [batch] (numpy: reading it is no device op), or
+        None before the first."""
+        while self.in_flight and self.in_flight[0][1].query():
+            self.step = self.in_flight.popleft()[0]
+        return None if self.step < 0 else self.host[self.step].numpy()
+
+    def first_all_ended(self) -> int:
+        """The first step at which every row had ended, of those the host knows."""
+        return int(np.flatnonzero(self.host[: self.step + 1].numpy().all(axis=1))[0])
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)  # a GPU's: on the host, no sync
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+class RngRewind:
+    """Where each step of a sampled decode left the device's global RNG, for a host that learns
+    late that every row had ended: it puts the RNG back to just after that step's draw, where
+    `generate` (which stops drawing there) leaves it. Nothing to keep where the host learns at once."""
+
+    def __init__(self, device: torch.device, needed: bool):
+        self.device, self.needed = device, needed
+        self.after_step: dict[int, torch.Tensor] = {}
+
+    def record(self, t: int, known_step: int) -> None:
+        if self.needed:
+            self.after_step[t] = get_rng_state(self.device)
+            # the rows had not all ended at the step the host knows (it would have stopped): the
+            # step to rewind to is a later one
+            for step in [s for s in self.after_step if s < known_step]:
+                del self.after_step[step]
+
+    def rewind_to(self, t: int) -> None:
+        if self.needed:
+            set_rng_state(self.after_step[t], self.device)
 
 
 class TokenScores:
@@ -284,34 +416,51 @@ def decode(
     scores: TokenScores | None = None,
 ) -> torch.Tensor:
     """New tokens [b, <= max_new_tokens] after left-padded prompts; a row that has emitted eos is
-    padded with pad_id after it, and the loop stops when every row has. Once a quarter of the rows
-    being decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
+    padded with pad_id after it, and the result ends at the step where every row had. The loop
+    stops once the host learns so (see `EndedRows`); once it learns that a quarter of the rows being
+    decoded have ended, the decoder drops them (a copy of the cache: not at every ending).
     `scores`, if given, receives each drawn token's log-probability and entropy."""
     if scores is not None and scores.temperature != temperature:
         raise ValueError(f"scores are of temperature {scores.temperature}, the sampling's is {temperature}")
-    batch, device = input_ids.shape[0], input_ids.device
+    batch, device, sample = input_ids.shape[0], input_ids.device, temperature > 0
     decoder, hidden = prefilled(model, input_ids, attention, max_new_tokens)
     out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    rows = torch.arange(batch, device=device)  # the batch rows the decoder computes, in its order
+    valid = torch.ones((), dtype=torch.bool, device=device)
+    ended = EndedRows(batch, max_new_tokens, device)
+    rng = RngRewind(device, needed=sample and not ended.immediate)
+    rows = np.arange(batch)  # the batch rows the decoder computes, in its order
+    rows_on_device = torch.arange(batch, device=device)
+    width = max_new_tokens
     for t in range(max_new_tokens):
         logits = decoder.logits(hidden)
-        if temperature > 0:  # once, for both the draw and `scores`
+        if sample:  # once, for both the draw and `scores`
             logits = logits / temperature
-        token = next_tokens(logits, rows, batch, pad_id, temperature > 0, top_p)
+        token = next_tokens(logits, rows_on_device, batch, pad_id, sample, top_p, valid)
+        rng.record(t, ended.step)
         if scores is not None:
-            scores.record(logits, rows, token, t)
+            scores.record(logits, rows_on_device, token, t)
         out[:, t] = token.masked_fill_(finished, pad_id)
         finished |= token == eos_id
-        if t + 1 == max_new_tokens or bool(finished.all()):
-            return out[:, : t + 1]
-        live = ~finished[rows]
-        if int(live.sum()) <= 0.75 * len(rows):
-            kept = live.nonzero().squeeze(1)
-            decoder.keep(kept)
-            rows, hidden = rows[kept], hidden[kept]
-        hidden = decoder.step(token[rows], t)
-    return out
+        ended.send(t, finished)
+        if t + 1 == max_new_tokens:
+            ended.wait()
+        known = ended.known()
+        if known is not None and known.all():
+            width = ended.first_all_ended() + 1
+            rng.rewind_to(width - 1)
+            break
+        if t + 1 == max_new_tokens:
+            break
+        if known is not None and (~known[rows]).sum() <= 0.75 * len(rows):
+            kept = np.flatnonzero(~known[rows])
+            kept_on_device = torch.from_numpy(kept).to(device, non_blocking=True)
+            decoder.keep(kept_on_device)
+            rows, rows_on_device, hidden = rows[kept], rows_on_device[kept_on_device], hidden[kept_on_device]
+        hidden = decoder.step(token[rows_on_device], t)
+    if not bool(valid):  # multinomial's check, once a call
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    return out[:, :width]
 
 
 @torch.no_grad()

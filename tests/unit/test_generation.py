@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from stages.data.tokenizer import build_char_tokenizer, encode_prompt
 from stages.generation import (
     Decoder,
+    EndedRows,
     TokenScores,
     decode,
     generate_responses,
     generate_tokens,
     left_padded,
     prefilled,
+    read_layers,
 )
 from stages.models.tiny import build_tiny_llama
 
@@ -317,3 +320,140 @@ def test_scores_of_another_temperature_than_the_sampling_are_refused():
     input_ids, attention = left_padded(ragged_prompts(2, seed=7), PAD)
     with pytest.raises(ValueError, match="temperature 0.7, the sampling's is 1.0"):
         decode(model, input_ids, attention, 4, 2, PAD, 1.0, 1.0, TokenScores(2, 4, 0.7, torch.device("cpu")))
+
+
+# Ops after which the host must wait for a GPU: they read a device value (item, bool, nonzero,
+# boolean indexing, unique, multinomial's validity check) or copy to the host without non_blocking
+# (on the CPU no copy is one: the count shows what would wait, the device is the host).
+READS_DEVICE = {
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::multinomial",
+    "aten::equal",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+}
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device (CUDA's sync debug mode, on any device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        bool_index = name in ("aten::index", "aten::index_put_", "aten::index_put") and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        to_host = name == "aten::copy_" and args[0].device.type == "cpu" != args[1].device.type
+        blocking_copy = to_host and not kwargs.get("non_blocking", args[2:3] == (True,))
+        self.count += name in READS_DEVICE or bool_index or blocking_copy
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_decode_loop_does_not_wait_for_the_device_at_each_token(temperature):
+    """Against GPU stalls: the host-device waits of a call do not grow with the tokens it decodes
+    (rows end at varied steps, so the ended rows are dropped along the way too)."""
+    model = random_llama(seed=2)
+    input_ids, attention = left_padded(ragged_prompts(16, seed=7), PAD)
+
+    def waits(max_new_tokens):
+        torch.manual_seed(5)
+        # sampled as the rollout samples: recording each token's log-prob and entropy
+        scores = TokenScores(16, max_new_tokens, temperature, torch.device("cpu")) if temperature else None
+        with HostWaits() as counter:
+            tokens = decode(model, input_ids, attention, max_new_tokens, 2, PAD, temperature, 0.9, scores)
+        return counter.count, tokens
+
+    few, short = waits(4)
+    many, long = waits(40)
+    assert long.shape[1] > 20 and (long == 2).any(dim=1).sum() >= 4, "rows should end along the way"
+    assert torch.equal(long[:, :4], short)
+    assert many == few
+
+
+def test_generate_calls_copy_no_weights_and_read_what_load_weights_wrote():
+    """The fused q/k/v and gate/up weights are the module's parameters themselves: the same memory
+    on every call, so a rollout's `load_weights` (in-place copies) changes what the next call
+    generates exactly as it changes HF's forward."""
+    model, other = random_llama(seed=0), random_llama(seed=3)
+    prompts = ragged_prompts(4, seed=1)
+    ours_before = our_new_tokens(model, prompts, 20, eos_id=VOCAB + 1)
+    first, second = read_layers(model), read_layers(model)
+    for layer, a, b in zip(model.model.layers, first, second):
+        assert a.qkv.data_ptr() == b.qkv.data_ptr() == layer.self_attn.q_proj.weight.data_ptr()
+        assert a.gate_up.data_ptr() == b.gate_up.data_ptr() == layer.mlp.gate_proj.weight.data_ptr()
+        torch.testing.assert_close(
+            a.qkv[-len(layer.self_attn.v_proj.weight) :], layer.self_attn.v_proj.weight
+        )
+    with torch.no_grad():  # what Rollout.load_weights does
+        for name, param in model.named_parameters():
+            param.copy_(other.get_parameter(name))
+    ours_after = our_new_tokens(model, prompts, 20, eos_id=VOCAB + 1)
+    assert not torch.equal(ours_after, ours_before)
+    assert torch.equal(ours_after, hf_new_tokens(other, prompts, 20, eos_id=VOCAB + 1))
+    assert read_layers(model)[0].qkv.data_ptr() == first[0].qkv.data_ptr()
+
+
+class LateMarker:
+    """A copy that lands on the host only at the third look, as a GPU's would while the host runs
+    ahead of it."""
+
+    def __init__(self):
+        self.looks = 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks >= 3
+
+    def synchronize(self) -> None:
+        self.looks = 3
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_host_that_learns_late_of_ended_rows_returns_the_same_tokens_and_rng_state(
+    monkeypatch, temperature
+):
+    """A GPU's host learns a step's finished rows some steps later, decodes on meanwhile and drops
+    ended rows late: the tokens, their width and where the RNG is left (where `generate` leaves it)
+    are those of a host that learns at once."""
+    model = random_llama(seed=1)
+    input_ids, attention = left_padded(ragged_prompts(3, seed=5), PAD)
+
+    def run(eos):
+        torch.manual_seed(5)
+        tokens = decode(model, input_ids, attention, 40, eos, PAD, temperature)
+        return tokens, torch.rand(4)
+
+    # eos: the token every row has drawn soonest (the RNG is consumed alike whatever eos is)
+    free_run = run(VOCAB + 1)[0]
+    last_first = {
+        tok: max((row == tok).nonzero()[0].item() for row in free_run)
+        for tok in range(1, VOCAB)
+        if all((row == tok).any() for row in free_run)
+    }
+    eos = min(last_first, key=last_first.get)
+    at_once = run(eos)
+    steps = []
+    step = Decoder.step
+    monkeypatch.setattr(Decoder, "step", lambda self, token, t: steps.append(t) or step(self, token, t))
+    original_init = EndedRows.__init__
+
+    def late(self, *args):
+        original_init(self, *args)
+        self.immediate = False
+
+    monkeypatch.setattr(EndedRows, "__init__", late)
+    monkeypatch.setattr(EndedRows, "landed_marker", lambda self: LateMarker())
+    late_tokens, late_rng = run(eos)
+    assert at_once[0].shape[1] < 40, "every row should end before the last step"
+    assert max(steps) >= at_once[0].shape[1], "the late host should have decoded past the end"
+    assert torch.equal(late_tokens, at_once[0])
+    assert torch.equal(late_rng, at_once[1])
