@@ -10,8 +10,8 @@ stream) is resolved against the anchor nearest to it on the device, so every `el
 about `reanchor_every_s` (float32 step ~0.1 us at 1 s) and the error does not grow with the stage.
 Anchors are paired with the host independently, never chained, so their errors do not add up.
 
-The device module is `torch.cuda` or any with the same Event / Stream / current_stream /
-stream calls (torch.get_device_module(...)); tests drive a simulated one.
+The device module is `torch.cuda` or any with the same Event / Stream / stream /
+current_device calls (torch.get_device_module(...)); tests drive a simulated one.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class DeviceClock:
         if reanchor_every_s <= 0:
             raise ValueError(f"reanchor_every_s must be positive, got {reanchor_every_s}")
         self.device = device_module
+        self.index = device_module.current_device()  # events of one device only: elapsed_time needs it
         self.host_now = host_now or wall_clock
         self.reanchor_every_s = reanchor_every_s
         self._stream = device_module.Stream()

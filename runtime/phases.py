@@ -23,8 +23,9 @@ from runtime.device_clock import DeviceClock, Mark
 
 _stack: list[str] = []
 _times: dict[str, float] = defaultdict(float)
-_unresolved: list[tuple[str, Mark, Mark]] = []  # device phases that ended, their times still on the device
-_open: list[Mark] = []  # where the device phases still open began
+# device phases that ended, their times still on the device: (name, clock, start, end)
+_unresolved: list[tuple[str, DeviceClock, Mark, Mark]] = []
+_open: list[tuple[DeviceClock, Mark]] = []  # where the device phases still open began
 _clock: DeviceClock | None = None
 
 
@@ -39,8 +40,8 @@ def device_clock() -> DeviceClock | None:
     module = accelerator_in_use()
     if module is None:
         return None
-    if _clock is None or _clock.device is not module:
-        _clock = DeviceClock(module)
+    if _clock is None or _clock.device is not module or _clock.index != module.current_device():
+        _clock = DeviceClock(module)  # anew after set_device: events of two devices cannot be compared
     return _clock
 
 
@@ -61,13 +62,13 @@ def phase(name: str):
     clock = device_clock()
     started = clock.mark() if clock is not None else time.perf_counter()
     if clock is not None:
-        _open.append(started)
+        _open.append((clock, started))
     try:
         with torch.profiler.record_function(f"phase:{full}"):
             yield
     finally:
         if clock is not None:
-            _unresolved.append((full, started, clock.mark()))
+            _unresolved.append((full, clock, started, clock.mark()))
             _open.pop()
         else:
             _times[full] += time.perf_counter() - started
@@ -76,10 +77,10 @@ def phase(name: str):
 
 def take_phase_times() -> dict[str, float]:
     """Seconds spent in each phase since the last call (nested phases counted in their parents too)."""
-    for name, started, ended in _unresolved:
-        _times[name] += _clock.resolve(ended) - _clock.resolve(started)
+    for name, clock, started, ended in _unresolved:
+        _times[name] += clock.resolve(ended) - clock.resolve(started)
     if _unresolved:
-        _clock.forget_before(_open)
+        _clock.forget_before([mark for clock, mark in _open if clock is _clock])
         _unresolved.clear()
     out = dict(_times)
     _times.clear()

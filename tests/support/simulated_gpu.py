@@ -1,5 +1,6 @@
-"""A GPU on a simulated clock, shaped as `torch.cuda` (Event, Stream, stream, synchronize), so that
-tests can run a day of device time in a moment and know every event's true time.
+"""A GPU on a simulated clock, shaped as `torch.cuda` (Event, Stream, stream, synchronize,
+current_device), so that tests can run a day of device time in a moment and know every event's
+true time.
 
 Time is integer nanoseconds, the same on host and device. Work queues on a stream and runs after
 what is ahead of it: the host returns from `launch` at once, and an event recorded on a busy stream
@@ -55,6 +56,9 @@ class SimulatedGpu:
     def is_initialized(self) -> bool:
         return True
 
+    def current_device(self) -> int:
+        return 0
+
     @contextmanager
     def stream(self, stream):
         outer, self.current = self.current, stream
@@ -83,6 +87,14 @@ class SimulatedGpu:
         """Stand in for `cuda_module` (torch.cuda) and the host's time.time for the test's duration."""
         import time
 
-        for name in ("is_available", "is_initialized", "Event", "Stream", "stream", "synchronize"):
+        for name in (
+            "is_available",
+            "is_initialized",
+            "current_device",
+            "Event",
+            "Stream",
+            "stream",
+            "synchronize",
+        ):
             monkeypatch.setattr(cuda_module, name, getattr(self, name))
         monkeypatch.setattr(time, "time", self.time)
