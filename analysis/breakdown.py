@@ -16,11 +16,15 @@ from pathlib import Path
 from analysis.bandwidth import bus_bandwidth
 from analysis.events import arrival, load_events, load_metrics, load_phase_times, phase_times
 from analysis.matching import MatchedCall, held_up, match_calls, straggler_counts, wait_by_rank
-from analysis.overlap import length, overlap_fraction, span
+from analysis.overlap import length, overlap_fraction, reversed_calls, span
 from analysis.phase_order import by_median_position, first_calls, step_order
 
 GRPO_PANELS = ("policy_update", "policy_logprob", "reference_logprob")
 STRAGGLER_MIN_WAIT_S = 1e-3  # a rank is the straggler of a call only where others waited longer
+# Exposed communication may exceed its phase's wall time by this much (relative, then absolute:
+# host and device timestamps of a call and of a phase differ by launch latencies) before it is reported.
+PHASE_CLOCK_TOLERANCE = 0.01
+PHASE_CLOCK_SLACK_S = 1e-3
 
 
 def top_phase(phase: str) -> str:
@@ -168,18 +172,41 @@ class StageSummary:
         return {panel: table.get(panel, {}) for panel in GRPO_PANELS}
 
     def phase_split(self) -> list[tuple[str, float, float, float]]:
-        """(top-level phase, wall s, communication s not overlapped, compute s) on rank 0.
+        """(top-level phase, wall s, communication s not overlapped, compute s) on rank 0: all three
+        times >= 0 and exposed <= wall by construction; inputs that disagree are `clock_problems`.
 
         Wall time comes from metrics.jsonl; without it, the phase is only what its calls took."""
-        rank0 = [e for e in self.events if e["rank"] == self.ranks[0]]
-        rows = []
+        return self._phase_split_and_problems[0]
+
+    def clock_problems(self) -> list[str]:
+        """Where rank 0's times contradict each other (calls that end before they begin, a phase's
+        calls blocking it longer than the phase lasted): the split shows them clipped."""
+        return self._phase_split_and_problems[1]
+
+    @cached_property
+    def _phase_split_and_problems(self) -> tuple[list[tuple[str, float, float, float]], list[str]]:
+        rank0 = [e for e in self.events if e["rank"] == self.ranks[0]] if self.ranks else []
+        rows, problems = [], []
+        reversed_ = reversed_calls(rank0)
+        if reversed_:
+            worst = max(arrival(e) - e["t_end"] for e in reversed_)
+            problems.append(
+                f"{len(reversed_)} calls of rank 0 end before they begin (by up to {worst * 1e6:.0f} us): "
+                "counted as taking no time"
+            )
         names = {top_phase(e["phase"]) for e in rank0} | set(self._top_level_walls())
         for name in sorted(names, key=self.phase_key):
             mine = [e for e in rank0 if top_phase(e["phase"]) == name]
-            exposed = length([span(e) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
-            wall = self._top_level_walls().get(name, exposed)
-            rows.append((name, wall, exposed, max(0.0, wall - exposed)))
-        return rows
+            blocked_s = length([span(e) for e in mine]) * (1 - overlap_fraction(mine)) if mine else 0.0
+            wall = self._top_level_walls().get(name, blocked_s)
+            if blocked_s > wall * (1 + PHASE_CLOCK_TOLERANCE) + PHASE_CLOCK_SLACK_S:
+                problems.append(
+                    f"phase {name}: rank 0 blocked in communication {blocked_s:.6f} s, longer than the "
+                    f"phase's {wall:.6f} s (phase and call clocks disagree): exposed shown as the wall"
+                )
+            exposed = min(blocked_s, wall)
+            rows.append((name, wall, exposed, wall - exposed))
+        return rows, problems
 
     def _top_level_walls(self) -> dict[str, float]:
         return {p: t for p, t in self.phase_wall.items() if "/" not in p}

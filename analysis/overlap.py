@@ -50,7 +50,14 @@ def subtract(intervals: list[Interval], holes: list[Interval]) -> float:
 
 
 def span(e: dict) -> Interval:
-    return (arrival(e), e["t_end"])
+    """The call's interval; one that ends before it began (inconsistent clocks: `reversed_calls`)
+    counts as empty, so that no length built from spans can go negative."""
+    start = arrival(e)
+    return (start, max(start, e["t_end"]))
+
+
+def reversed_calls(rank_events: list[dict]) -> list[dict]:
+    return [e for e in rank_events if e["t_end"] < arrival(e)]
 
 
 def blocked(rank_events: list[dict]) -> list[Interval]:

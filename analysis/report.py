@@ -190,6 +190,8 @@ def write_report(run_dirs: list[Path], out_dir: Path, commbench: dict | None = N
             transport_note(doc, stage_dir)
             for table in stage_tables(s):
                 doc.table(table)
+            for problem in s.clock_problems():
+                doc.paragraph(f"WARNING, inconsistent times: {problem}.")
             inspector_section(doc, stage_dir)
             for path in stage_figures(s, out_dir, prefix, commbench):
                 doc.figure(path)

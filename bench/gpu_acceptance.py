@@ -10,7 +10,9 @@ Checks, each a subprocess with its own time limit and log (under --out):
   pipeline    the embedded default, all five stages and their held-out evals, on the GPUs (SFT with
               DeepSpeed's overlap_comm)
   report      `hpcr1 report` of that run: its events must be NCCL's, their CUDA times ordered, and
-              on 2 GPUs or more SFT's reduction must overlap its backward
+              on 2 GPUs or more SFT's reduction must overlap its backward; GRPO's step time split
+              by phase (device-timed, runtime/phases.py), with no negative or inconsistent exposed
+              communication
   verl        a few steps of verl.trainer.main_ppo with a vLLM rollout on a random ~0.4B Llama, under a
               Ray head on this node (needs `make setup-gpu`; on a node without network,
               bench/gpu_relay/install_and_run.py installs the lock offline and runs this check)
@@ -26,6 +28,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -166,8 +169,50 @@ def check_report(args) -> Outcome:
     overlap = sft_overlap(run_dir / "stage1_sft") if args.gpus > 1 else None
     if overlap is not None and overlap <= 0:
         return Outcome(False, "stage1_sft: DeepSpeed's overlap_comm reductions show no overlap with backward")
+    split, split_problems = grpo_split(run_dir / "stage2_grpo")
+    if split_problems:
+        return Outcome(False, f"stage2_grpo's phase split: {'; '.join(split_problems[:3])}")
     shown = "" if overlap is None else f", SFT overlap {overlap:.0%} on rank 0"
-    return Outcome(True, f"NCCL only, enqueue <= stream ready <= end on all {len(events)}{shown}; {report}")
+    return Outcome(
+        True, f"NCCL only, enqueue <= stream ready <= end on all {len(events)}{shown}; {split}; {report}"
+    )
+
+
+# The phases of a native GRPO step (stages/grpo/trainer.py): those it always runs, and all of them.
+GRPO_STEP_PHASES = ("weight_sync", "rollout", "reward", "advantage", "policy_update")
+GRPO_ALL_STEP_PHASES = (*GRPO_STEP_PHASES, "balance", "reference_logprob", "policy_logprob")
+# The share of a step's host-timed step_time_s its device-timed phases may cover (median over steps):
+# the step's statistics synchronise at its end, so the two clocks should agree to launch latencies.
+STEP_COVERAGE = (0.8, 1.05)
+
+
+def grpo_split(stage_dir: Path) -> tuple[str, list[str]]:
+    """(figure, problems) of GRPO's time by phase: every step's line times each phase of the step,
+    the phases add up to the step's time, and no phase shows negative exposed communication or
+    times that contradict each other (analysis/breakdown.py's clock_problems)."""
+    from analysis.breakdown import summarise_stage
+    from analysis.events import phase_times
+
+    summary = summarise_stage(stage_dir)
+    problems = list(summary.clock_problems())
+    problems += [
+        f"{name}: exposed {exposed:.6f} s, compute {compute:.6f} s"
+        for name, _, exposed, compute in summary.phase_split()
+        if exposed < 0 or compute < 0
+    ]
+    coverage = []
+    for row in (r for r in summary.metrics if "step_time_s" in r):
+        times = phase_times(row)
+        missing = [p for p in GRPO_STEP_PHASES if p not in times]
+        if missing:
+            problems.append(f"step {row['step']} has no time for {', '.join(missing)}")
+        coverage.append(sum(times.get(p, 0.0) for p in GRPO_ALL_STEP_PHASES) / row["step_time_s"])
+    if not coverage:
+        return "", [*problems, f"{stage_dir / 'metrics.jsonl'}: no step lines"]
+    median = statistics.median(coverage)
+    if not STEP_COVERAGE[0] <= median <= STEP_COVERAGE[1]:
+        problems.append(f"its phases add up to {median:.0%} of the step time, not {STEP_COVERAGE}")
+    return f"GRPO phases cover {median:.0%} of the step time (median of {len(coverage)} steps)", problems
 
 
 def sft_overlap(stage_dir: Path) -> float:

@@ -28,7 +28,8 @@ stream waits for that point, so the difference is the GPU work queued ahead of t
 `t_end`, a CUDA event recorded where the issuing stream has been made to wait for the collective
 (the future's callback, or after `wait_tensor`). Across ranks, the spread of `t_ready` is waiting
 for the peers and what follows the last one is the transfer (analysis/matching.py). CUDA events are
-turned into wall-clock times when written.
+turned into wall-clock times when written, against a clock re-anchored every second
+(runtime/device_clock.py) so that they stay exact to the microsecond however long the stage.
 
 Times are wall-clock seconds (time.time()) so that ranks on one node compare directly; across nodes
 they are as good as the nodes' clock synchronisation.
@@ -49,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.device_clock import DeviceClock, Mark
 from runtime.phases import current_phase
 
 # docs/design.md's schema, plus async_op: whether the caller went on working while the call ran (the only
@@ -188,7 +190,7 @@ class CommProfiler:
         self._seq: dict[tuple, int] = {}
         self._groups: dict[str, tuple[tuple[int, ...], str]] = {}
         self._libs: list[torch.library.Library] = []
-        self._cuda_clock: tuple[float, torch.cuda.Event] | None = None
+        self._cuda_clock: DeviceClock | None = None
         self._pending_functional: dict[int, list] = {}
         self._unwaited: dict[int, tuple[object, list]] = {}  # id(Work) -> (Work, event): no future
         self._coalescing: list[list[list]] = []  # events of each open NCCL coalescing block
@@ -201,10 +203,7 @@ class CommProfiler:
         _active = self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if torch.cuda.is_available():
-            ref = torch.cuda.Event(enable_timing=True)
-            ref.record()
-            torch.cuda.synchronize()
-            self._cuda_clock = (time.time(), ref)
+            self._cuda_clock = DeviceClock(torch.cuda)
         self._libs = [
             torch.library.Library("c10d", "IMPL"),
             torch.library.Library("_c10d_functional", "IMPL"),
@@ -414,9 +413,7 @@ class CommProfiler:
         """Now on the host, or (on CUDA) a timing event at this point of the current stream."""
         if not (on_cuda and self._cuda_clock is not None):
             return time.time()
-        mark = torch.cuda.Event(enable_timing=True)
-        mark.record()
-        return mark
+        return self._cuda_clock.mark()
 
     def _on_completion(self, work, event: list, on_cuda: bool) -> None:
         def done(_fut):  # on CUDA this runs with the current stream waiting on the collective
@@ -460,14 +457,14 @@ class CommProfiler:
 
     def _resolve_cuda_times(self, block: bool) -> None:
         """CUDA events to wall-clock seconds: those the GPU has reached, or all of them (`block`)."""
-        if self._cuda_clock is None:
+        clock = self._cuda_clock
+        if clock is None:
             return
-        wall0, ref = self._cuda_clock
         for e in self.events:
             for field in TIMES:
-                if isinstance(e[field], torch.cuda.Event) and (block or e[field].query()):
-                    e[field].synchronize()
-                    e[field] = wall0 + ref.elapsed_time(e[field]) / 1e3
+                if isinstance(e[field], Mark) and (block or clock.reached(e[field])):
+                    e[field] = clock.resolve(e[field])
+        clock.forget_before([e[f] for e in self.events for f in TIMES if isinstance(e[f], Mark)])
 
 
 Work = dist.distributed_c10d.Work
@@ -499,12 +496,12 @@ def _end_coalescing(pg, device):
 
 
 def completion_unknown(event: list) -> bool:
-    return event[T_END] is None or isinstance(event[T_END], torch.cuda.Event)
+    return event[T_END] is None or isinstance(event[T_END], Mark)
 
 
 def _unresolved(value):
     """JSON for a completion time the GPU never reached before the event had to be written."""
-    if isinstance(value, torch.cuda.Event):
+    if isinstance(value, Mark):
         return None
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 

@@ -66,6 +66,11 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
         keys = ("accuracy", "format_rate", "mean_at_k", "format_rate_at_k")
         assert {k: on_gpu[k] for k in keys} == {k: on_cpu[k] for k in keys}
         assert {k: on_gpu["validation"][k] for k in keys} == {k: on_cpu["validation"][k] for k in keys}
+    if kind == "grpo":  # bench/gpu_acceptance.py's check of the phase split, on device-timed phases
+        sys.path.insert(0, str(REPO / "bench"))
+        from gpu_acceptance import grpo_split
+
+        assert grpo_split(device / "stage2_grpo")[1] == []
 
 
 def test_pipeline_stages_on_the_device_train_as_one_stage_does(runs):

@@ -243,6 +243,24 @@ def streams_and_events():
 
 
 @check
+def phases_timed_by_device_events():
+    """runtime.phases on the emulated device: the phase clock is the device's (events on its stream,
+    runtime/device_clock.py), and a phase that sleeps 50 ms on the host is timed within host bounds."""
+    import time
+
+    from runtime import phases
+
+    phases.take_phase_times()
+    host_started = time.perf_counter()
+    with phases.phase("work"):
+        torch.ones(64, 64, device="fakegpu").sum()
+        time.sleep(0.05)
+    host_s = time.perf_counter() - host_started
+    work_s = phases.take_phase_times()["work"]
+    return {"device_clock": phases.device_clock().device is torch.fakegpu, "timed": 0.05 <= work_s <= host_s}
+
+
+@check
 def adamw_step_memory():
     """Peak of an AdamW step on a 1 MiB (fp32) parameter over what it holds before the step (the
     parameter, its gradient): Adam's m and v, and the temporaries of the path torch takes."""

@@ -136,6 +136,10 @@ def test_streams_and_events(seen):
     assert seen["streams_and_events"] == {"elapsed_ms_ok": True, "stream_device": "fakegpu:0"}
 
 
+def test_phases_are_timed_by_the_devices_events(seen):
+    assert seen["phases_timed_by_device_events"] == {"device_clock": True, "timed": True}
+
+
 def test_adamw_steps_with_its_foreach_kernels_as_on_a_gpu(seen):
     # m and v (1 MiB each) and one sqrt(v) for all parameters (1 MiB): the foreach path a GPU takes;
     # the per-tensor path would hold a second temporary (sqrt(v), then its quotient)

@@ -80,3 +80,54 @@ def test_the_verl_check_gives_the_stage_driver_what_a_verl_job_gives_it():
 
     read = set(re.findall(r'os\.environ\["(\w+)"\]', inspect.getsource(verl_job)))
     assert read and read <= set(env), read - set(env)
+
+
+def write_grpo_stage(stage_dir, lines: list[dict], t_ends: list[float]) -> None:
+    """A GRPO stage of rank 0: metrics lines, and one policy_update all-reduce per t_end (t_ready 10.0)."""
+    (stage_dir / "profile").mkdir(parents=True)
+    events = [
+        {
+            "stage": "stage2_grpo",
+            "step": 1,
+            "phase": "policy_update",
+            "rank": 0,
+            "op": "all_reduce",
+            "bytes": 8,
+        }
+        | {"group_ranks": [0], "seq": i, "t_start": 9.999, "t_ready": 10.0, "t_end": end, "backend": "nccl"}
+        for i, end in enumerate(t_ends)
+    ]
+    (stage_dir / "profile" / "rank-00000.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (stage_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+STEP_PHASES = {"weight_sync": 0.1, "rollout": 0.5, "reward": 0.05, "advantage": 0.05, "policy_update": 0.25}
+
+
+def test_the_grpo_split_passes_when_phases_cover_the_step_and_times_agree(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_acceptance import grpo_split
+
+    lines = [
+        {"step": s, "step_time_s": 1.0, **{f"phase_time/{p}": t for p, t in STEP_PHASES.items()}}
+        for s in (1, 2)
+    ]
+    write_grpo_stage(tmp_path, lines, [10.1])
+    assert grpo_split(tmp_path) == ("GRPO phases cover 95% of the step time (median of 2 steps)", [])
+
+
+def test_the_grpo_split_fails_on_a_missing_phase_an_uncovered_step_or_contradicting_times(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_acceptance import grpo_split
+
+    no_rollout = {f"phase_time/{p}": t for p, t in STEP_PHASES.items() if p != "rollout"}
+    lines = [{"step": s, "step_time_s": 1.0, **no_rollout} for s in (1, 2)]
+    write_grpo_stage(tmp_path, lines, [9.998, 11.0])  # one call ends before it began; 1 s in a 0.5 s phase
+    _, problems = grpo_split(tmp_path)
+    assert [p.split(":")[0].split(" (")[0] for p in problems] == [
+        "1 calls of rank 0 end before they begin",
+        "phase policy_update",
+        "step 1 has no time for rollout",
+        "step 2 has no time for rollout",
+        "its phases add up to 45% of the step time, not",
+    ]
