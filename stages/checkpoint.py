@@ -142,12 +142,13 @@ class CheckpointDir:
         checksums.json without stats) are read again, each rank its share, and their stats
         recorded once they match. `trust_only`: such a file is a problem, nothing is read."""
         path = self.root / step_name(step)
+        now = _from_rank0(lambda: file_stats(path, skip=frozenset({CHECKSUMS})))
         try:
             record = read_record(path / CHECKSUMS)
         except (OSError, ValueError) as e:
             problem, stale = _agree(f"no readable {CHECKSUMS}: {e}", {})
         else:
-            problem, stale = _agree(*_check_share(path, record, rehash, trust_only))
+            problem, stale = _agree(*_check_share(path, record, now, rehash, trust_only))
         if problem is None:
             if stale and _rank_world()[0] == 0:
                 _restamp(path, record, stale)
@@ -184,7 +185,9 @@ class CheckpointDir:
             record = read_record(self.root / step_name(step) / CHECKSUMS)
         except (OSError, ValueError):
             return False
-        return _check_share(self.root / step_name(step), record, rehash=False, trust_only=True)[0] is None
+        path = self.root / step_name(step)
+        now = file_stats(path, skip=frozenset({CHECKSUMS}))
+        return _check_share(path, record, now, rehash=False, trust_only=True)[0] is None
 
 
 def read_record(path: Path) -> dict:
@@ -202,10 +205,12 @@ def read_record(path: Path) -> dict:
     }
 
 
-def _check_share(path: Path, record: dict, rehash: bool, trust_only: bool) -> tuple[str | None, dict]:
-    """(this rank's problem, {file: stat} of the files it re-read and found intact)."""
+def _check_share(
+    path: Path, record: dict, now: dict[str, list[int]], rehash: bool, trust_only: bool
+) -> tuple[str | None, dict]:
+    """(this rank's problem, {file: stat} of the files it re-read and found intact); `now` is the
+    checkpoint's {file: stat} as rank 0 sees it, so that every rank shares out the same pieces."""
     files, chunk = record["files"], record["chunk_bytes"]
-    now = file_stats(path, skip=frozenset({CHECKSUMS}))
     wrong = {rel for rel in files.keys() ^ now.keys()}
     wrong |= {
         rel
