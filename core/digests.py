@@ -15,7 +15,7 @@ from pathlib import Path
 from core.atomic import atomic_write_text, file_sha256
 
 # Bounds how unevenly hashing can be shared out: no rank has more than one piece more than another.
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 BLOCK = 1 << 20
 
 Piece = tuple[str, int, int]

@@ -1,5 +1,5 @@
 """Step checkpoints: ckpt/step-000120/, written under a temporary name and renamed when complete,
-with a checksums.json (each file's sha256 per 256 MiB piece, and its size and modification time)
+with a checksums.json (each file's sha256 per 64 MiB piece, and its size and modification time)
 that resume verifies: a file whose stat is the sealed one is trusted, the others are read again,
 every rank hashing its share. A checkpoint that fails verification is skipped with a
 warning and the previous one is used; only the newest `keep` valid ones are retained.
