@@ -29,6 +29,11 @@ class RunDir:
         return self.inputs / "model"
 
     @property
+    def base_model_digests(self) -> Path:
+        """The sha256 of each base model file with the stat it was read at (pipeline/fingerprint.py)."""
+        return self.inputs / "model.sha256.json"
+
+    @property
     def base_model_spec(self) -> Path:
         """The model section (and seed) inputs/model was made from: another one remakes it."""
         return self.inputs / "model.json"

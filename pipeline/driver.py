@@ -14,10 +14,11 @@ from pathlib import Path
 
 from core.atomic import atomic_write_text, tree_checksums
 from core.config import ConfigError, RunConfig, dump_config
+from core.digests import file_stats
 from core.manifest import Manifest, describe_eval
 from core.rundir import RunDir
 from launch.local import run_stage_locally
-from pipeline.fingerprint import changed_parts, digest, input_parts
+from pipeline.fingerprint import changed_parts, content_parts, digest, input_parts
 from pipeline.runlock import hold_run_dir
 from runtime.preemption import PREEMPTED_EXIT
 from runtime.rank_failure import forget_failures, stage_error
@@ -87,12 +88,26 @@ def rerun_reason(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> s
     entry = manifest.stage(sid)
     if entry["state"] != "done":
         return f"it is {entry['state']}"
-    changed = changed_parts(entry.get("inputs"), stage_inputs(cfg, run, manifest, sid))
+    now = stage_inputs(cfg, run, manifest, sid)
+    changed = changed_parts(entry.get("inputs"), now)
+    if changed and _copied(cfg, run, manifest, sid, changed):
+        manifest.update(sid, inputs=now, input_hash=digest(now))
+        changed = []
     if changed:
         return f"changed since it was done: {', '.join(changed)}"
-    if not _final_intact(run, sid, entry):
+    if not _final_intact(run, manifest, sid):
         return "its final/ no longer matches the checksums in the manifest"
     return None
+
+
+def _copied(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, changed: list[str]) -> bool:
+    """Whether every part that changed has the content it had when the stage ran (a run directory
+    copied with new modification times). Nothing is read unless each has a recorded content digest."""
+    recorded = manifest.stage(sid).get("input_contents") or {}
+    if not set(changed) <= recorded.keys():
+        return False
+    now = content_parts(cfg, run, sid)
+    return all(recorded[part] == now.get(part) for part in changed)
 
 
 def stage_inputs(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str) -> dict[str, str]:
@@ -127,7 +142,8 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
         manifest.update(sid, rerun_reason=reason)
         echo(f"{sid}: running again, {reason}")
     manifest.start_attempt(sid)
-    manifest.update(sid, inputs=parts, input_hash=digest(parts))
+    contents = content_parts(cfg, run, sid)
+    manifest.update(sid, inputs=parts, input_hash=digest(parts), input_contents=contents)
     _report_resume_point(cfg, run, manifest, sid, echo)
     echo(f"{sid}: starting (attempt {manifest.stage(sid)['attempts']}, {cfg.nproc} ranks)")
     forget_failures(run.logs(sid))
@@ -160,7 +176,11 @@ def _record_outcome(run: RunDir, manifest: Manifest, sid: str, rc: int, echo) ->
         raise StageFailed(f"{sid} failed (exit code {rc}): {error['summary']}\n{tail}")
     evaluation = json.loads(run.eval_result(sid).read_text())
     manifest.finish(
-        sid, outputs={"final": str(run.final(sid))}, checksums=tree_checksums(run.final(sid)), eval=evaluation
+        sid,
+        outputs={"final": str(run.final(sid))},
+        checksums=tree_checksums(run.final(sid)),
+        final_stats=file_stats(run.final(sid)),
+        eval=evaluation,
     )
     echo(f"{sid}: done, {_outcome(evaluation)}")
 
@@ -190,8 +210,19 @@ def _outcome(evaluation: dict) -> str:
     return describe_eval(evaluation)
 
 
-def _final_intact(run: RunDir, sid: str, entry: dict) -> bool:
-    return run.final(sid).is_dir() and tree_checksums(run.final(sid)) == entry.get("checksums")
+def _final_intact(run: RunDir, manifest: Manifest, sid: str) -> bool:
+    """final/ is read only if a file's size or modification time is not the recorded one (or none
+    was recorded); once its checksums match again, the new stats are recorded."""
+    entry, final = manifest.stage(sid), run.final(sid)
+    if not final.is_dir():
+        return False
+    stats = file_stats(final)
+    if stats == entry.get("final_stats"):
+        return True
+    if tree_checksums(final) != entry.get("checksums"):
+        return False
+    manifest.update(sid, final_stats=stats)
+    return True
 
 
 def _log_tail(run: RunDir, sid: str, first: str | None, lines: int = 25) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from core.atomic import file_sha256
 from core.config import GRPOStage, RunConfig, SFTStage, SynthStage
+from core.digests import cached_tree_sha256
 from core.rundir import RunDir
 
 
@@ -44,6 +45,16 @@ def input_parts(
     for src in stage.upstream():
         parts[f"output of {src}"] = digest(upstream_checksums.get(src))
     return parts
+
+
+def content_parts(cfg: RunConfig, run: RunDir, sid: str) -> dict[str, str]:
+    """The parts `input_parts` fingerprints by stat, by content instead: what recognises a copied
+    run directory (new modification times, same files). Each file is read only when its stat is
+    not the one cached beside it, so this is cheap after the first time."""
+    if getattr(cfg, sid).init_from != "base":
+        return {}
+    files = cached_tree_sha256(run.base_model, run.base_model_digests)
+    return {"base model": digest([cfg.model.model_dump(mode="json"), files])}
 
 
 def data_splits(stage: SFTStage | GRPOStage | SynthStage) -> list[str]:

@@ -1,5 +1,7 @@
 """Step checkpoints: ckpt/step-000120/, written under a temporary name and renamed when complete,
-with a checksums.json that resume verifies. A checkpoint that fails verification is skipped with a
+with a checksums.json (each file's sha256 per 64 MiB piece, and its size and modification time)
+that resume verifies: a file whose stat is the sealed one is trusted, the others are read again,
+every rank hashing its share. A checkpoint that fails verification is skipped with a
 warning and the previous one is used; only the newest `keep` valid ones are retained.
 
 The engine writes its own (sharded) files into the directory it is given; this module only names,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -20,7 +23,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from core.atomic import atomic_write_text, file_sha256, tree_checksums
+from core.atomic import atomic_write_text
+from core.digests import (
+    CHUNK_BYTES,
+    file_digests,
+    file_stats,
+    hash_piece,
+    hash_pieces,
+    pieces_of,
+    share,
+    stat_of,
+)
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
@@ -75,14 +88,29 @@ class CheckpointDir:
         )
 
     def seal(self, step: int) -> Path:
-        """Checksum the staged files and rename the directory into place (rank 0, after a barrier)."""
+        """Digest the staged files and rename the directory into place. Every rank calls it once its
+        engine has saved: each hashes its share of the files' pieces (no rank reads more than one
+        piece more than another), so the collectives here wait for at most one piece's hashing."""
         staging, final = self.staging(step), self.root / step_name(step)
-        atomic_write_text(staging / CHECKSUMS, json.dumps(tree_checksums(staging), indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        rank, world = _rank_world()
+        _barrier()  # every rank's files are written
+        stats = _from_rank0(lambda: file_stats(staging, skip=frozenset({CHECKSUMS})))
+        sizes = {rel: size for rel, (size, _mtime) in stats.items()}
+        mine = hash_pieces(staging, share(pieces_of(sizes, CHUNK_BYTES), rank, world), CHUNK_BYTES)
+        moved = sorted(rel for rel, _offset, _length in mine if stat_of(staging / rel) != stats[rel])
+        hashed, moved = _merge_all(mine, moved)
+        if moved:
+            raise CheckpointWriteError(f"{', '.join(moved[:3])} changed while {staging} was being sealed")
+        if rank == 0:
+            files = {rel: {"stat": stats[rel], "sha256": shas} for rel, shas in file_digests(hashed).items()}
+            record = {"format": 2, "chunk_bytes": CHUNK_BYTES, "files": files}
+            atomic_write_text(staging / CHECKSUMS, json.dumps(record, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            self._prune()
         self._verified.add(step)
-        self._prune()
+        _barrier()  # sealed before any rank goes on (or leaves for a requeue)
         return final
 
     def sealed_steps(self) -> list[int]:
@@ -91,49 +119,130 @@ class CheckpointDir:
     def newest_valid(self) -> int | None:
         return self.survey()[0]
 
-    def survey(self) -> tuple[int | None, dict[str, str]]:
-        """The newest checkpoint that verifies, and why each newer one was skipped."""
+    def survey(self, steps: list[int] | None = None, want: int = 1) -> tuple[int | None, dict[str, str]]:
+        """The newest checkpoint that verifies, and why each newer one was skipped; goes on until
+        `want` verify (those retention keeps). With torch.distributed initialised every rank calls it
+        with the same `steps` and checks its share of each."""
         skipped: dict[str, str] = {}
-        for step in reversed(self.sealed_steps()):
+        valid = []
+        for step in reversed(self.sealed_steps() if steps is None else steps):
             problem = self.verify(step)
             if problem is None:
-                return step, skipped
+                valid.append(step)
+                if len(valid) == want:
+                    break
+                continue
             log.warning("checkpoint %s is unusable (%s); trying the previous one", step_name(step), problem)
             skipped[step_name(step)] = problem
-        return None, skipped
+        return (valid[0] if valid else None), skipped
 
-    def verify(self, step: int) -> str | None:
+    def verify(self, step: int, rehash: bool = False, trust_only: bool = False) -> str | None:
+        """None if the checkpoint's files are those sealed. A file whose size and modification time
+        are the sealed ones is trusted; the others (every file with `rehash`, or in an old
+        checksums.json without stats) are read again, each rank its share, and their stats
+        recorded once they match. `trust_only`: such a file is a problem, nothing is read."""
         path = self.root / step_name(step)
+        now = _from_rank0(lambda: file_stats(path, skip=frozenset({CHECKSUMS})))
         try:
-            expected = json.loads((path / CHECKSUMS).read_text())
+            record = read_record(path / CHECKSUMS)
         except (OSError, ValueError) as e:
-            return f"no readable {CHECKSUMS}: {e}"
-        actual = tree_checksums(path)
-        actual.pop(CHECKSUMS, None)
-        if actual != expected:
-            bad = sorted(k for k in expected.keys() | actual.keys() if expected.get(k) != actual.get(k))
-            return f"checksum mismatch in {', '.join(bad[:3])}"
-        self._verified.add(step)
-        return None
+            problem, stale = _agree(f"no readable {CHECKSUMS}: {e}", {})
+        else:
+            problem, stale = _agree(*_check_share(path, record, now, rehash, trust_only))
+        if problem is None:
+            if stale and _rank_world()[0] == 0:
+                _restamp(path, record, stale)
+            self._verified.add(step)
+        return problem
 
     def digests(self) -> dict[str, str]:
-        """sha256 of each sealed checkpoint's checksums.json: one value that pins all its files."""
-        return {
-            step_name(s): file_sha256(self.root / step_name(s) / CHECKSUMS)
-            for s in self.sealed_steps()
-            if (self.root / step_name(s) / CHECKSUMS).is_file()
-        }
+        """One value per sealed checkpoint that pins the content of all its files (not their stats)."""
+        digests = {}
+        for s in self.sealed_steps():
+            with contextlib.suppress(OSError, ValueError):
+                files = read_record(self.root / step_name(s) / CHECKSUMS)["files"]
+                content = {rel: entry["sha256"] for rel, entry in files.items()}
+                digests[step_name(s)] = hashlib.sha256(
+                    json.dumps(content, sort_keys=True).encode()
+                ).hexdigest()
+        return digests
 
     def _prune(self) -> None:
-        """Keep the newest `keep` checkpoints that verify; a corrupted one never counts as kept."""
+        """Keep the newest `keep` checkpoints that verify; a corrupted one never counts as kept.
+        Those not verified by this process are judged by their stats alone (resume verified the
+        newest `keep`), so retention never reads a checkpoint."""
         kept = 0
         for step in reversed(self.sealed_steps()):
-            if kept < self.keep and (step in self._verified or self.verify(step) is None):
+            if kept < self.keep and (step in self._verified or self._trusted(step)):
                 kept += 1
                 continue
             shutil.rmtree(self.root / step_name(step), ignore_errors=True)
         for stale in self.root.glob(".step-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
+
+    def _trusted(self, step: int) -> bool:
+        try:
+            record = read_record(self.root / step_name(step) / CHECKSUMS)
+        except (OSError, ValueError):
+            return False
+        path = self.root / step_name(step)
+        now = file_stats(path, skip=frozenset({CHECKSUMS}))
+        return _check_share(path, record, now, rehash=False, trust_only=True)[0] is None
+
+
+def read_record(path: Path) -> dict:
+    """checksums.json as {"format": 2, "chunk_bytes", "files": {path: {"stat", "sha256": [...]}}};
+    the old format ({path: sha256}) reads as whole-file digests without stats."""
+    record = json.loads(path.read_text())
+    if record.get("format") == 2:
+        return record
+    if not all(isinstance(sha, str) for sha in record.values()):
+        raise ValueError(f"{path} is neither format 2 nor a map of file to sha256")
+    return {
+        "format": 2,
+        "chunk_bytes": 0,
+        "files": {rel: {"stat": None, "sha256": [sha]} for rel, sha in record.items()},
+    }
+
+
+def _check_share(
+    path: Path, record: dict, now: dict[str, list[int]], rehash: bool, trust_only: bool
+) -> tuple[str | None, dict]:
+    """(this rank's problem, {file: stat} of the files it re-read and found intact); `now` is the
+    checkpoint's {file: stat} as rank 0 sees it, so that every rank shares out the same pieces."""
+    files, chunk = record["files"], record["chunk_bytes"]
+    wrong = {rel for rel in files.keys() ^ now.keys()}
+    wrong |= {
+        rel
+        for rel in files.keys() & now.keys()
+        if files[rel]["stat"] and files[rel]["stat"][0] != now[rel][0]
+    }
+    stale = {rel for rel in files.keys() & now.keys() - wrong if rehash or files[rel]["stat"] != now[rel]}
+    if trust_only and stale:
+        return f"changed since it was sealed: {', '.join(sorted(stale)[:3])}", {}
+    if wrong:
+        return _mismatch(wrong), {}
+    rank, world = _rank_world()
+    mine = share(pieces_of({rel: now[rel][0] for rel in stale}, chunk), rank, world)
+    for piece in mine:
+        rel, offset, _length = piece
+        expected = files[rel]["sha256"]
+        index = offset // chunk if chunk else 0
+        if index >= len(expected) or hash_piece(path, piece, chunk) != expected[index]:
+            wrong.add(rel)
+    return (_mismatch(wrong) if wrong else None), {rel: now[rel] for rel, _o, _l in mine}
+
+
+def _mismatch(files: set[str]) -> str:
+    return f"checksum mismatch in {', '.join(sorted(files)[:3])}"
+
+
+def _restamp(path: Path, record: dict, stats: dict[str, list[int]]) -> None:
+    """Record the stats of files whose content was verified again (a copied run directory, an old
+    checksums.json): the next verification trusts them without reading."""
+    for rel, stat in stats.items():
+        record["files"][rel]["stat"] = stat
+    atomic_write_text(path / CHECKSUMS, json.dumps(record, indent=1))
 
 
 def _is_disk_full(error: BaseException | None, root: Path) -> bool:
@@ -166,8 +275,48 @@ def _existing(path: Path) -> Path:
 
 
 def agreed_resume_step(ckpts: CheckpointDir) -> int | None:
-    """Rank 0 picks the newest valid checkpoint and every rank resumes from that same one."""
-    choice = [ckpts.newest_valid() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    """The newest checkpoint every rank agrees is valid: each checks its share of each candidate's
+    files (and of the older ones retention will keep, so that it never needs to read them)."""
+    steps = _from_rank0(ckpts.sealed_steps)
+    return ckpts.survey(steps, want=max(ckpts.keep, 1))[0]
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _barrier() -> None:
     if dist.is_initialized():
-        dist.broadcast_object_list(choice, src=0)
-    return choice[0]
+        dist.barrier()
+
+
+def _from_rank0(compute):
+    """Rank 0's `compute()`, on every rank: one view of a shared file system's listing."""
+    value = [compute() if _rank_world()[0] == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(value, src=0)
+    return value[0]
+
+
+def _all(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _agree(problem: str | None, stale: dict) -> tuple[str | None, dict]:
+    """Every rank's verdict on its share, on every rank: the first problem, and all re-read stats."""
+    verdicts = _all((problem, stale))
+    problems = [p for p, _s in verdicts if p is not None]
+    return (problems[0] if problems else None), {rel: st for _p, s in verdicts for rel, st in s.items()}
+
+
+def _merge_all(mine: dict, moved: list[str]) -> tuple[dict, list[str]]:
+    """The pieces every rank hashed, and the files any saw change meanwhile."""
+    merged, changed = {}, set()
+    for hashed, moved_there in _all((mine, moved)):
+        merged.update(hashed)
+        changed.update(moved_there)
+    return merged, sorted(changed)

@@ -3,6 +3,8 @@ disk (a real, small tmpfs) fails with one clear error and leaves the previous ch
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import uuid
 from pathlib import Path
@@ -10,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.atomic import atomic_write_text
-from stages.checkpoint import CheckpointDir, CheckpointWriteError, step_name
+from core.atomic import atomic_write_text, file_sha256
+from core.digests import pieces_of, share, stat_of
+from stages.checkpoint import CHECKSUMS, CheckpointDir, CheckpointWriteError, step_name
 
 
 def _save(ckpts: CheckpointDir, step: int, numel: int) -> None:
@@ -87,3 +90,53 @@ def test_full_disk_leaves_the_old_file_and_no_partial_sibling(small_disk):
     with pytest.raises(OSError):
         atomic_write_text(target, "x" * 2_000_000)
     assert target.read_text() == "old\n" and [p.name for p in small_disk.iterdir()] == ["manifest.json"]
+
+
+def _rewrite_keeping_stat(path: Path, data: bytes) -> None:
+    """Other bytes of the same length, with the old modification time: what a stat cannot see."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_file_whose_stat_is_the_sealed_one_is_not_read_again(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep=2)
+    _save(ckpts, 1, 10)
+    model = tmp_path / step_name(1) / "model.pt"
+    original = model.read_bytes()
+    _rewrite_keeping_stat(model, bytes(len(original)))
+    # Resume trusts the stat (reading a terabyte would stall every rank); asked to, it reads.
+    assert CheckpointDir(tmp_path, keep=2).verify(1) is None
+    assert CheckpointDir(tmp_path, keep=2).verify(1, rehash=True) == "checksum mismatch in model.pt"
+    model.touch()  # a new modification time: read again, and found changed
+    assert CheckpointDir(tmp_path, keep=2).survey() == (
+        None,
+        {"step-000001": "checksum mismatch in model.pt"},
+    )
+
+
+def test_an_old_checksums_json_still_verifies_and_is_then_trusted(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep=2)
+    _save(ckpts, 1, 10)
+    _save(ckpts, 2, 10)
+    for step in (1, 2):  # the format before stats: {file: sha256 of the whole file}
+        path = tmp_path / step_name(step)
+        (path / CHECKSUMS).write_text(json.dumps({"model.pt": file_sha256(path / "model.pt")}))
+    _corrupt(tmp_path, 2)
+    resumed = CheckpointDir(tmp_path, keep=2)
+    assert resumed.survey() == (1, {"step-000002": "checksum mismatch in model.pt"})
+    record = json.loads((tmp_path / step_name(1) / CHECKSUMS).read_text())
+    model = tmp_path / step_name(1) / "model.pt"
+    assert record["files"]["model.pt"] == {"stat": stat_of(model), "sha256": [file_sha256(model)]}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pieces_are_shared_out_once_each_and_evenly(world):
+    sizes = {"a": 0, "b": 5 * 100 + 7, "c": 100, "d": 3 * 100}
+    pieces = pieces_of(sizes, chunk_bytes=100)
+    assert sum(length for _rel, _offset, length in pieces) == sum(sizes.values())
+    shares = [share(pieces, rank, world) for rank in range(world)]
+    assert sorted(p for s in shares for p in s) == sorted(pieces)  # each piece once
+    loads = [sum(length for _rel, _offset, length in s) for s in shares]
+    assert max(loads) - min(loads) <= 100, loads  # within one piece of each other

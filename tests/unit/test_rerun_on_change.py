@@ -6,6 +6,8 @@ seeded training run would."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,45 @@ def reasons(run: RunDir) -> dict[str, str]:
 def test_nothing_changed_nothing_reruns(workspace):
     root, _ = workspace
     assert rerun(root) == []
+
+
+def test_a_second_invocation_does_not_read_final(workspace):
+    """final/ whose files keep their recorded size and modification time is trusted: its bytes,
+    changed here behind the stat's back, are not read (today's 70B final/ is 140 GB)."""
+    root, run = workspace
+    model = run.final("stage2_grpo") / "model.txt"
+    original, st = model.read_bytes(), model.stat()
+    model.write_bytes(bytes(len(original)))
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    try:
+        assert rerun(root) == []
+    finally:
+        model.write_bytes(original)
+        os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_manifest_without_stats_reads_final_once_and_records_them(workspace):
+    root, run = workspace
+    data = json.loads((run.root / "manifest.json").read_text())
+    for entry in data["stages"].values():
+        entry.pop("final_stats")
+    (run.root / "manifest.json").write_text(json.dumps(data))
+    assert rerun(root) == []
+    stages = json.loads((run.root / "manifest.json").read_text())["stages"]
+    assert all("final_stats" in entry for entry in stages.values())
+
+
+def test_a_copied_run_directory_skips_its_done_stages(workspace, tmp_path):
+    """`cp -r` gives every file a new modification time: the base model is recognised by content."""
+    root, _ = workspace
+    rerun(root)  # whatever an earlier test left changed
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(root), str(copy)], check=True)
+    assert (copy / "run" / "inputs" / "model").stat().st_mtime_ns != (
+        root / "run" / "inputs" / "model"
+    ).stat().st_mtime_ns
+    assert rerun(copy) == []
+    assert rerun(copy, "model.tiny.hidden_size=16")[:1] == ["stage1_sft"], "a real change still reruns"
 
 
 def test_edited_stage_config_reruns_it_and_its_dependants_only(workspace):
