@@ -69,6 +69,15 @@ class RunDir:
         """The JSONL a synthesis stage writes (with provenance), read by the SFT stage after it."""
         return self.stage(stage_id) / "data" / "synthetic.jsonl"
 
+    def synthesis_batches(self, stage_id: str) -> Path:
+        """A synthesis stage's sampled batches, one record each (stages/kept.py): what a preempted
+        attempt keeps, so that the next one samples only the others."""
+        return self.stage(stage_id) / "batches"
+
+    def prompt_selection(self, stage_id: str) -> Path:
+        """A GRPO stage's pass counts of its prompts (max_pass_rate), kept for its later attempts."""
+        return self.stage(stage_id) / "prompt_selection.json"
+
     def training_data(self, stage_id: str) -> Path:
         """What an SFT stage made of its examples (how many max_seq_len truncated, or why it refused
         to train), written by its rank 0 before training and picked up into the manifest."""

@@ -141,6 +141,9 @@ def run_stage(cfg: RunConfig, run: RunDir, manifest: Manifest, sid: str, launch,
     if changed or entry["state"] == "done":
         manifest.update(sid, rerun_reason=reason)
         echo(f"{sid}: running again, {reason}")
+    if entry["state"] == "done":
+        # It no longer matches its checksums: the ranks would evaluate it as exported by an earlier attempt.
+        shutil.rmtree(run.final(sid), ignore_errors=True)
     manifest.start_attempt(sid)
     contents = content_parts(cfg, run, sid)
     manifest.update(sid, inputs=parts, input_hash=digest(parts), input_contents=contents)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
-from core.atomic import file_sha256
+from core.atomic import file_sha256, files_fingerprint
 from core.config import GRPOStage, RunConfig, SFTStage, SynthStage
 from core.digests import cached_tree_sha256
 from core.rundir import RunDir
@@ -62,17 +61,6 @@ def data_splits(stage: SFTStage | GRPOStage | SynthStage) -> list[str]:
     if isinstance(stage, SFTStage):
         return ["sft"] if stage.data == "curated" else []
     return ["prompts"]
-
-
-def files_fingerprint(root: Path) -> list:
-    """Path, size and modification time of every file: notices an edited or replaced model
-    without reading tens of GB on every run (the stage outputs are checksummed instead)."""
-    root = root.resolve()
-    return [
-        [str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    ]
 
 
 def changed_parts(before: dict[str, str] | None, now: dict[str, str]) -> list[str]:

@@ -43,22 +43,49 @@ def stage_rows(run_dir: Path) -> list[str]:
 
 
 def fail_orphaned_stages(run_dir: Path, echo=print) -> list[str]:
-    """Fail each stage whose running job lost its batch host (launch.slurm_jobs.lost_batch_host):
-    its driver, which would record the failure, is gone, and the job would hold its surviving nodes
-    and its dependants until the time limit. Cancels the job; returns the stages failed."""
+    """Fail each unfinished stage whose driver, which would record its outcome, is gone: its job
+    ended without one (`job_end_error`: e.g. it ran into its time limit), or it is still running
+    but lost its batch host (launch.slurm_jobs.lost_batch_host) and would hold its surviving nodes
+    and its dependants until the time limit: that job is cancelled. Returns the stages failed."""
     manifest = Manifest(run_dir)
     stages = manifest.data["stages"]
     conf = recorded_conf(stages)
+    # pending or running: a job of its own in Slurm that may have ended or been orphaned
+    unfinished = {
+        sid: e for sid, e in stages.items() if e["state"] in ("pending", "running") and e.get("job_id")
+    }
+    slurm = job_states([e["job_id"] for e in unfinished.values()], conf)
     failed = []
-    for sid, entry in stages.items():
-        if entry["state"] not in ("pending", "running") or not entry.get("job_id"):
-            continue  # no job of its own in Slurm that could be orphaned
-        lost = lost_batch_host(entry["job_id"], conf)
-        if lost:
-            manifest.fail(sid, orphan_error(entry["job_id"], lost, conf))
+    for sid, entry in unfinished.items():
+        job = entry["job_id"]
+        error = job_end_error(run_dir, entry, *slurm.get(job, (None, None)))
+        if error is None:
+            lost = lost_batch_host(job, conf)
+            error = orphan_error(job, lost, conf) if lost else None
+        if error:
+            manifest.fail(sid, error)
             echo(f"{sid}: failed: {manifest.stage(sid)['error']['summary']}")
             failed.append(sid)
     return failed
+
+
+def job_end_error(run_dir: Path, entry: dict, state: str | None, elapsed: str | None) -> dict | None:
+    """The error of a stage whose job Slurm says ended badly (`state`) while the manifest still says
+    running, so that its driver ended with it; or that ran into its time limit (TIMEOUT), whatever
+    the manifest says: a stage job requeues itself when the stage stops on USR1, never once it is
+    out of time. (A pending stage's CANCELLED job was a dependant of a failed one: never_running.)"""
+    ended_running = entry["state"] == "running" and state is not None and state.startswith(ENDED_BADLY)
+    if not (state == "TIMEOUT" or ended_running):
+        return None
+    job, resume = entry["job_id"], f"`hpcr1 resume {run_dir} --cluster {entry.get('cluster', 'NAME')}`"
+    if state == "TIMEOUT":
+        summary = (
+            f"ran into its time limit: job {job} ended TIMEOUT after {elapsed}, before the stage stopped "
+            f"for a requeue, and Slurm does not requeue it; {resume} continues it from its last checkpoint"
+        )
+    else:
+        summary = f"job {job} ended {state} after {elapsed}, the stage unfinished; {resume} starts it again"
+    return {"summary": summary, "slurm_state": state, "job_id": job, "exit_code": None, "rank": None}
 
 
 def orphan_error(job: str, lost: dict[str, str], conf: str | None) -> dict:

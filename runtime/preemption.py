@@ -1,10 +1,12 @@
 """Checkpoint-and-requeue on a signal. Slurm sends USR1 (`--signal=B:USR1@s`, forwarded by the
-stage driver to every rank) before a time limit; each rank only sets a flag, and the training loops
-ask at every step boundary whether any rank was signalled, so all ranks stop after the same step,
-checkpoint together and exit with PREEMPTED_EXIT."""
+stage driver to every rank) before a time limit; each rank only sets a flag, and the stages ask at
+points every rank reaches (a training step's boundary, before and during export and evaluation,
+after prompt selection, after synthesis's batches) whether any rank was signalled, so all ranks
+stop at the same point, with what they did kept, and exit with PREEMPTED_EXIT."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from typing import NoReturn
@@ -29,12 +31,26 @@ def install_handlers() -> None:
     signal.signal(signal.SIGUSR1, _on_signal)
 
 
+def signalled() -> bool:
+    """Whether this rank was signalled: for work a rank does on its own between two collectives
+    (a batch of answers), which it may leave early; all ranks then meet at `leave_if_requested`."""
+    return _signalled
+
+
 def stop_requested() -> bool:
     """True on every rank if any rank was signalled (a collective: call it on all ranks)."""
     flag = torch.tensor([1 if _signalled else 0], device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def leave_if_requested(log: logging.Logger, where: str) -> None:
+    """If any rank was signalled (a collective: call it on all ranks), say where the stage stops and
+    leave for the requeue; what was done before `where` must be kept by then."""
+    if stop_requested():
+        log.info("stopping %s on request; the next attempt continues from there", where)
+        leave_for_requeue()
 
 
 def leave_for_requeue() -> NoReturn:

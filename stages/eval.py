@@ -7,6 +7,7 @@ The validation split is what tuning decisions read; the held-out split is only r
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -16,10 +17,13 @@ from transformers import AutoModelForCausalLM
 
 from core.config import EvalConfig
 from runtime.dist import rank_device
+from runtime.preemption import leave_if_requested, signalled
 from stages.data.examples import Example
 from stages.data.tokenizer import load_tokenizer
 from stages.generation import generate_in_batches
 from stages.rewards.math_reward import score
+
+log = logging.getLogger("hpcr1.eval")
 
 
 def evaluate(model, tokenizer, examples: list[Example], settings: EvalConfig, seed: int = 0) -> dict:
@@ -34,12 +38,14 @@ def evaluate(model, tokenizer, examples: list[Example], settings: EvalConfig, se
     model.eval()
     started = time.perf_counter()
     counts[:3] += _generate_and_tally(model, tokenizer, mine, settings, 0.0)
+    leave_if_requested(log, "while evaluating final/")
     greedy_s = time.perf_counter() - started
     k = settings.samples
     if k:
         torch.manual_seed(seed * 1009 + rank)
         rows = [ex for ex in mine for _ in range(k)]  # each problem's k answers side by side
         counts[3:] += _generate_and_tally(model, tokenizer, rows, settings, settings.temperature)
+        leave_if_requested(log, "while evaluating final/")
     sampled_s = time.perf_counter() - started - greedy_s
     if world > 1:
         dist.all_reduce(counts)
@@ -52,11 +58,18 @@ def evaluate(model, tokenizer, examples: list[Example], settings: EvalConfig, se
 
 
 def _generate_and_tally(model, tokenizer, rows: list[Example], settings: EvalConfig, temperature: float):
-    prompts = [ex.prompt for ex in rows]
-    responses = generate_in_batches(
-        model, tokenizer, prompts, settings.max_new_tokens, temperature, settings.batch_size
-    )
-    return torch.tensor(tally(rows, responses), dtype=torch.float64, device=next(model.parameters()).device)
+    """[correct, well-formed, scored] of `rows`, a batch at a time; the rows left when a preemption
+    signal comes are not answered (the caller then stops the stage, leave_if_requested)."""
+    tallies = torch.zeros(3, dtype=torch.float64, device=next(model.parameters()).device)
+    for start in range(0, len(rows), settings.batch_size):
+        if signalled():
+            break
+        batch = rows[start : start + settings.batch_size]
+        responses = generate_in_batches(
+            model, tokenizer, [ex.prompt for ex in batch], settings.max_new_tokens, temperature, len(batch)
+        )
+        tallies += torch.tensor(tally(batch, responses), dtype=torch.float64, device=tallies.device)
+    return tallies
 
 
 def tally(examples: list[Example], responses: list[str]) -> list[int]:

@@ -6,7 +6,10 @@ relative to the run directory, so that the dataset's bytes do not depend on wher
 
 Work is spread dynamically: batches of prompts are taken from a counter in the process group's
 store, so a rank that finishes early takes the next batch instead of idling. Each batch samples
-from its own seed, so the dataset does not depend on which rank took which batch.
+from its own seed, so the dataset does not depend on which rank took which batch, nor on which
+attempt: every sampled batch is kept as a record of its own (stages/kept.py), a preempted stage
+(USR1) stops taking batches and leaves for the requeue, and the next attempt samples only the
+batches without a record.
 
 The stage's final/ is not a model: it holds the dataset (a hard link to data/synthetic.jsonl, so
 the driver's checksum covers exactly the file the next stage reads) and provenance.json. Its
@@ -20,7 +23,9 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,10 +33,12 @@ import torch.distributed as dist
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
 from runtime.phases import phase, take_phase_times
+from runtime.preemption import leave_if_requested, signalled
 from stages.data.examples import Example, read_examples, write_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.engines.ddp import load_replicated
 from stages.generation import generate_responses
+from stages.kept import MISSING, inputs_fingerprint, load_record, save_record
 from stages.metrics import MetricsLogger
 from stages.models.hf_files import weights_sha256
 from stages.rewards.math_reward import score
@@ -46,14 +53,61 @@ class Candidate:
 
 
 class BatchQueue:
-    """Batch numbers handed out once each across all ranks, first come first served."""
+    """`batches` handed out once each across all ranks, first come first served; none once any rank
+    was signalled to stop (it tells the others through the store)."""
 
-    def __init__(self, key: str, num_batches: int):
-        self.store, self.key, self.num_batches = dist.distributed_c10d._get_default_store(), key, num_batches
+    def __init__(self, key: str, batches: list[int]):
+        self.store, self.key, self.batches = dist.distributed_c10d._get_default_store(), key, batches
 
     def __iter__(self):
-        while (batch := self.store.add(self.key, 1) - 1) < self.num_batches:
-            yield batch
+        while not self._stopping() and (i := self.store.add(self.key, 1) - 1) < len(self.batches):
+            yield self.batches[i]
+
+    def _stopping(self) -> bool:
+        return self.store.add(f"{self.key}/stop", 1 if signalled() else 0) > 0
+
+
+class BatchRecords:
+    """Each sampled batch's accepted answers and number of samples, kept by the rank that sampled
+    it as a record of its own, valid for the inputs of `fingerprint`."""
+
+    def __init__(self, directory: Path, fingerprint: str):
+        self.directory, self.fingerprint = directory, fingerprint
+
+    def path(self, batch: int) -> Path:
+        return self.directory / f"batch-{batch:06d}.json"
+
+    def save(self, batch: int, accepted: list[Candidate], sampled: int) -> None:
+        payload = {"sampled": sampled, "accepted": [asdict(c) for c in accepted]}
+        save_record(self.path(batch), self.fingerprint, payload)
+
+    def load(self, batch: int) -> tuple[tuple[list[Candidate], int] | None, str | None]:
+        """((accepted, sampled), None), or (None, why the batch has no usable record)."""
+        payload, problem = load_record(self.path(batch), self.fingerprint)
+        if problem:
+            return None, problem
+        return ([Candidate(**c) for c in payload["accepted"]], payload["sampled"]), None
+
+    def left_to_sample(self, num_batches: int, log: logging.Logger) -> list[int]:
+        """The batches without a usable record, saying how many are kept and why others are not."""
+        problems = {b: self.load(b)[1] for b in range(num_batches)}
+        left = [b for b, problem in problems.items() if problem]
+        unusable = Counter(problem for problem in problems.values() if problem and problem != MISSING)
+        for problem, n in unusable.items():
+            log.warning("%d batch record(s) in %s not used, %s: sampled again", n, self.directory, problem)
+        log.info("%d of %d batches kept from earlier attempts", num_batches - len(left), num_batches)
+        return left
+
+    def read_all(self, num_batches: int) -> tuple[list[Candidate], int]:
+        """Every batch's accepted answers, in batch order, and the number of samples."""
+        candidates, sampled = [], 0
+        for b in range(num_batches):
+            kept, problem = self.load(b)
+            if problem:
+                raise RuntimeError(f"batch {b} was sampled but its record {self.path(b)} is {problem}")
+            candidates += kept[0]
+            sampled += kept[1]
+        return candidates, sampled
 
 
 def sample_batch(
@@ -105,6 +159,11 @@ def gather_to_main(value):
     return out
 
 
+def batch_records(ctx: StageContext, model_dir: Path) -> BatchRecords:
+    fingerprint = inputs_fingerprint(ctx.stage, ctx.cfg.seed, model_dir, ctx.run.task_file("prompts"))
+    return BatchRecords(ctx.run.synthesis_batches(ctx.stage_id), fingerprint)
+
+
 def run(ctx: StageContext) -> None:
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
     model_dir = run.model_dir(stage.init_from)
@@ -112,12 +171,18 @@ def run(ctx: StageContext) -> None:
     model = load_replicated(model_dir, trainable=False)
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
     num_batches = -(-len(prompts) // stage.batch_size)
+    # rank 0 decides what is left, so that every rank hands out the same batches
+    decided = [batch_records(ctx, model_dir) if ctx.is_main else None, None]
+    if ctx.is_main:
+        decided[1] = decided[0].left_to_sample(num_batches, ctx.log)
+    dist.broadcast_object_list(decided, src=0)
+    records, left = decided
 
     ctx.begin_step(1)
     started = time.perf_counter()
-    mine, sampled, batches_taken = [], 0, 0
-    bar = ctx.progress(num_batches, unit="batch")
-    for b in BatchQueue(f"{ctx.stage_id}/next_batch", num_batches):
+    batches_taken = 0
+    bar = ctx.progress(num_batches, initial=num_batches - len(left), unit="batch")
+    for b in BatchQueue(f"{ctx.stage_id}/next_batch", left):
         first = b * stage.batch_size
         accepted, n = sample_batch(
             model,
@@ -127,23 +192,24 @@ def run(ctx: StageContext) -> None:
             stage,
             seed=cfg.seed * 1_000_003 + b,
         )
-        mine += accepted
-        sampled += n
+        records.save(b, accepted, n)
+        ctx.log.info("sampled batch %d: %d of %d answers accepted", b, len(accepted), n)
         batches_taken += 1
         bar.update()  # rank 0's own batches only: a lower bound on the progress of all ranks
     busy = time.perf_counter() - started
     bar.close()
+    leave_if_requested(ctx.log, "synthesis (its sampled batches are kept)")
     with phase("gather"):
-        gathered = gather_to_main((mine, sampled, batches_taken, busy))
+        gathered = gather_to_main((batches_taken, busy))
     if ctx.is_main:
-        times = [t for *_, t in gathered]
+        times = [t for _, t in gathered]
         spread = {
             "generation_time_s_per_rank": times,
-            "batches_per_rank": [b for _, _, b, _ in gathered],
+            "batches_per_rank": [b for b, _ in gathered],
+            "batches_kept_from_earlier_attempts": num_batches - len(left),
             "imbalance_slowest_over_fastest": max(times) / max(min(times), 1e-9),
         }
-        candidates = [c for mine, *_ in gathered for c in mine]
-        sampled = sum(n for _, n, _, _ in gathered)
+        candidates, sampled = records.read_all(num_batches)
         write_outputs(ctx.cfg, ctx.run, ctx.stage_id, prompts, candidates, sampled, model_dir, spread)
         ctx.log.info(
             "generation time per rank %s s, slowest/fastest %.2f",

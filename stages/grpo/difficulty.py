@@ -4,8 +4,9 @@ often than `max_pass_rate` are left out. A group whose answers are all right has
 teaches nothing: a model that solves most prompts (stage 3's) spends most of its rollouts on them.
 
 Every rank samples its share of the prompts (its own seeded stream, one past the stage's steps), the
-counts are summed, and every rank keeps the same prompts; a resumed stage recomputes them from the
-same starting model and seeds, so its prompt order is the one it started with."""
+counts are summed, and every rank keeps the same prompts. The counts are sampled once a stage and
+kept in its run directory (stages/grpo/trainer.py, kept_pass_counts): a resumed stage reads them
+back instead of sampling again, so its prompt order is the one it started with."""
 
 from __future__ import annotations
 

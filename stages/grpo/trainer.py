@@ -13,6 +13,7 @@ from verl.protocol import DataProto
 
 from runtime.context import StageContext
 from runtime.phases import phase
+from runtime.preemption import leave_if_requested
 from stages.data.examples import read_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.grpo.actor import Actor
@@ -23,6 +24,7 @@ from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
 from stages.grpo.rollout import Rollout
+from stages.kept import MISSING, inputs_fingerprint, load_record, save_record
 from stages.training_loop import train
 
 
@@ -145,12 +147,8 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
 
 def prompts_to_learn(ctx: StageContext, roles: Roles, prompts: list) -> list:
     """The prompts the starting model solves at most max_pass_rate of the time (stages/grpo/difficulty.py)."""
-    stage, rank = ctx.stage, dist.get_rank()
-    with phase("prompt_selection"):
-        # seeded past the stage's steps: no training rollout draws the same stream
-        counts = pass_counts(
-            roles.rollout, prompts, lambda call: sampling_seed(ctx.cfg.seed, stage.steps + 1 + call, rank)
-        )
+    stage = ctx.stage
+    counts = kept_pass_counts(ctx, roles, prompts)
     kept = select_prompts(
         prompts,
         counts,
@@ -169,6 +167,38 @@ def prompts_to_learn(ctx: StageContext, roles: Roles, prompts: list) -> list:
         sum(counts) / (len(prompts) * stage.group_size),
     )
     return kept
+
+
+def kept_pass_counts(ctx: StageContext, roles: Roles, prompts: list) -> list[int]:
+    """The prompts' pass counts, sampled once a stage: kept for its later attempts (a requeued job
+    starts training at once), sampled again where the kept ones are of other inputs. A signal
+    that came while sampling stops the stage once they are kept."""
+    stage, run, rank = ctx.stage, ctx.run, dist.get_rank()
+    path = run.prompt_selection(ctx.stage_id)
+    decided = [None, None]  # rank 0 decides, so that every rank samples or none does
+    if ctx.is_main:
+        init_dir = run.model_dir(stage.init_from)
+        fingerprint = inputs_fingerprint(
+            stage, ctx.cfg.seed, init_dir, run.task_file("prompts"), world_size=dist.get_world_size()
+        )
+        counts, problem = load_record(path, fingerprint)
+        if problem not in (None, MISSING):
+            ctx.log.warning("the kept prompt selection %s is not used, %s: sampled again", path, problem)
+        decided = [fingerprint, counts]
+    dist.broadcast_object_list(decided, src=0)
+    fingerprint, counts = decided
+    if counts is not None:
+        ctx.log.info("prompt selection's pass counts kept from an earlier attempt (%s)", path)
+        return counts
+    with phase("prompt_selection"):
+        # seeded past the stage's steps: no training rollout draws the same stream
+        counts = pass_counts(
+            roles.rollout, prompts, lambda call: sampling_seed(ctx.cfg.seed, stage.steps + 1 + call, rank)
+        )
+    if ctx.is_main:
+        save_record(path, fingerprint, counts)
+    leave_if_requested(ctx.log, "after prompt selection (its pass counts are kept)")
+    return counts
 
 
 def run(ctx: StageContext) -> None:

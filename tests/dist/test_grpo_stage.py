@@ -1,7 +1,8 @@
 """stage2_grpo through launch.worker on 2 real ranks: per-phase times and the GRPO statistics in
 metrics.jsonl, a Hugging Face final/ and eval.json, and a resumed run that repeats a lost step
 exactly (prompt order and sampling seeds come from (seed, step, rank), weights and optimizer state
-from the checkpoint), with the models sharded (FSDP2) or whole on each rank (DDP)."""
+from the checkpoint; the prompt selection is kept, not sampled again), with the models sharded
+(FSDP2) or whole on each rank (DDP)."""
 from __future__ import annotations
 
 import json
@@ -34,14 +35,15 @@ def metrics(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.metrics("stage2_grpo").read_text().splitlines()]
 
 
-def prepared_grpo_run(tmp_path, steps: int, data_parallel: str = "fsdp2") -> RunDir:
+def prepared_grpo_run(tmp_path, steps: int, data_parallel: str = "fsdp2", max_pass_rate: float = 1.0) -> RunDir:
     """A run directory with the base model and data of a small stage2_grpo (profile on), not yet run."""
     config = tmp_path / "cfg.yaml"
     config.write_text("name: grpo\nseed: 2\nwandb: {mode: disabled}\nprofile: {comm: true}\n"
                       "data: {arithmetic: {sft_size: 16, prompts_size: 16, eval_size: 4}}\n"
                       "eval: {num_examples: 4, max_new_tokens: 16, batch_size: 4}\n"
                       f"stage2_grpo: {{init_from: base, steps: {steps}, prompts_per_step: 4, group_size: 2, "
-                      f"max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2, data_parallel: {data_parallel}}}\n")
+                      f"max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2, data_parallel: {data_parallel}, "
+                      f"max_pass_rate: {max_pass_rate}}}\n")
     run = RunDir(tmp_path / "run")
     prepare_run(load_config(config), run, tmp_path)
     return run
@@ -49,8 +51,10 @@ def prepared_grpo_run(tmp_path, steps: int, data_parallel: str = "fsdp2") -> Run
 
 @pytest.mark.parametrize("data_parallel", ["fsdp2", "ddp"])
 def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path, data_parallel):
-    run = prepared_grpo_run(tmp_path, steps=3, data_parallel=data_parallel)
+    # max_pass_rate below 1: the prompts are selected (the base model solves none: all are kept)
+    run = prepared_grpo_run(tmp_path, steps=3, data_parallel=data_parallel, max_pass_rate=0.99)
     run_stage(run, "stage2_grpo")
+    assert run.prompt_selection("stage2_grpo").is_file()
     first = metrics(run)
     assert [m["step"] for m in first] == [1, 2, 3]
     for key in ("reward/mean", "reward/std", "accuracy", "actor/kl", "actor/clip_frac", "response_length/mean",
@@ -65,6 +69,9 @@ def test_grpo_stage_logs_phases_exports_and_resumes_a_lost_step_exactly(tmp_path
     run_stage(run, "stage2_grpo")
     log = (run.logs("stage2_grpo") / "rank-00000.log").read_text()
     assert "resumed from step 2" in log
+    # the selection was sampled by the first attempt only: the second read it back
+    assert log.count("pass counts kept from an earlier attempt") == 1
+    assert log.count("training on the 16 of 16 prompts") == 2
     again = metrics(run)
     assert [m["step"] for m in again] == [1, 2, 3]
     for key in ("response_length/mean", "entropy", "reward/mean", "actor/pg_loss"):

@@ -1,9 +1,12 @@
 """A USR1 sent to `hpcr1 run` (a batch system's warning before a time limit) reaches the ranks through
 torchrun: they checkpoint the step they are at and stop, `hpcr1 run` exits with PREEMPTED_EXIT and
-marks the stage pending (not failed), and the same command then resumes from that step to done."""
+marks the stage pending (not failed), and the same command then resumes from that step. A USR1
+after the last step (export or evaluation) stops the stage too, and the next attempt exports and
+evaluates without training again."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -38,7 +41,20 @@ def test_usr1_checkpoints_stops_and_resumes_where_it_stopped(tmp_path):
     assert 5 <= stopped_at < 200, "the stop must come from the signal, not a periodic checkpoint or the end"
     assert (run_dir / "stage1_sft" / "ckpt" / f"step-{stopped_at:06d}").is_dir()
 
+    proc = hpcr1_run(run_dir, *LONG, wait=False)
+    log = run_dir / "stage1_sft" / "logs" / "rank-00000.log"
+    wait_until(lambda: "training done at step 400" in log.read_text(), proc, "the last step")
+    proc.send_signal(signal.SIGUSR1)  # lands in the export or the evaluation of final/
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == PREEMPTED_EXIT, output[-3000:]
+    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert (entry["state"], entry["preempted"]) == ("pending", 2)
+    assert re.search(r"stopping (before exporting|before evaluating|while evaluating) final/", log.read_text())
+    assert not (run_dir / "stage1_sft" / "eval.json").exists()
+
     hpcr1_run(run_dir, *LONG)
-    assert resumed_steps(run_dir) == [stopped_at]
-    assert steps_done(run_dir) == list(range(1, 401))
-    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]["state"] == "done"
+    assert resumed_steps(run_dir) == [stopped_at, 400]
+    assert steps_done(run_dir) == list(range(1, 401)), "no step trained twice"
+    assert log.read_text().count(": exported ") == 1, "final/ exported once, by either attempt"
+    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert entry["state"] == "done" and entry["eval"]["n"] == 16

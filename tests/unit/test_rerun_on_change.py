@@ -27,6 +27,7 @@ ALL = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo"]
 def stand_in_stage(run_dir: Path, sid: str, nproc: int, pass_fds=()) -> int:
     """Writes final/ (content: the stage's input fingerprint) and eval.json, as the ranks would."""
     run = RunDir(run_dir)
+    FINAL_AT_LAUNCH[sid] = run.final(sid).exists()
     inputs = json.loads((run.root / "manifest.json").read_text())["stages"][sid]["input_hash"]
     run.final(sid).mkdir(parents=True, exist_ok=True)
     (run.final(sid) / "model.txt").write_text(inputs)
@@ -36,6 +37,7 @@ def stand_in_stage(run_dir: Path, sid: str, nproc: int, pass_fds=()) -> int:
 
 
 LAUNCHED: list[str] = []
+FINAL_AT_LAUNCH: dict[str, bool] = {}  # whether the stage's final/ was there when its ranks started
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +151,8 @@ def test_changed_final_is_recomputed_alone(workspace):
     # Recomputing restores the same final/ (same inputs): nothing downstream needs to change.
     assert rerun(root) == ["stage2_grpo"]
     assert "no longer matches" in reasons(run)["stage2_grpo"]
+    # removed before the ranks start: they would take it for one exported by an earlier attempt
+    assert FINAL_AT_LAUNCH["stage2_grpo"] is False
 
 
 def test_corrupt_newest_checkpoint_is_reported_and_the_previous_recorded_as_resume_point(workspace):

@@ -178,3 +178,24 @@ def test_status_leaves_a_job_whose_batch_host_only_stopped_answering(fake_slurm,
     assert "lost" not in hpcr1("status", str(run)).stdout
     assert json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["state"] == "running"
     assert not calls(bin_dir, "scancel")
+
+
+def test_status_fails_a_stage_whose_job_ran_into_its_time_limit(fake_slurm, tmp_path):
+    bin_dir, hpcr1 = fake_slurm
+    assert submit(hpcr1, tmp_path).returncode == 0
+    run = tmp_path / "run"
+    job = running(run)
+    # The job is gone from the queue; the completion log has its end (a requeued job: the last record).
+    (bin_dir / "sacct.out").write_text(f"{job}|REQUEUED|00:58:00\n{job}|TIMEOUT|01:00:02\n")
+    status = hpcr1("status", str(run)).stdout
+    row = next(line for line in status.splitlines() if line.startswith("stage1_sft "))
+    assert row.split()[1] == "failed" and "TIMEOUT" in row, status
+    assert (
+        f"stage1_sft: ran into its time limit: job {job} ended TIMEOUT after 01:00:02, before the stage "
+        f"stopped for a requeue, and Slurm does not requeue it; `hpcr1 resume {run} --cluster local`"
+    ) in status, status
+    entry = json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]
+    assert (entry["state"], entry["error"]["slurm_state"]) == ("failed", "TIMEOUT"), entry
+    assert not calls(bin_dir, "scancel"), "an ended job is not cancelled"
+    # Its dependant, queued behind it, will not run; resuming resubmits from the timed-out stage.
+    assert "stage3_sft: will not run: it waits on stage1_sft, which failed" in status, status
