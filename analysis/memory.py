@@ -146,9 +146,10 @@ ASSUMPTIONS = (
     "that, vLLM refuses). vLLM's own activations and CUDA graphs also come out of its budget; "
     "they are not counted, only the weights and that minimum KV cache.",
     "Native GRPO (engine native): what analysis/native_fit.py says it holds a GPU (fp32 actor, "
-    "reference and rollout), the gathered FSDP2 unit, the fp32 activations of one micro-batch and the "
-    "rollout's fp32 KV cache of the rank's prompts_per_step·G/N sequences. Prompts are --prompt-tokens "
-    "long.",
+    "reference and rollout), the gathered FSDP2 unit, the fp32 activations of one micro-batch (the "
+    "update differentiates each before it forwards the next: stages/grpo/actor.py), with the logits of "
+    "every position its lm_head runs and three copies of the response's, and the rollout's fp32 "
+    "KV cache of the rank's prompts_per_step·G/N sequences. Prompts are --prompt-tokens long.",
     "Native synthesis (engine native): one whole fp32 copy a rank (native_fit) and the fp32 KV cache "
     "of one batch (batch_size x samples_per_prompt sequences). Synthesis on verl: vLLM replicas of "
     "rollout_tp GPUs, each GPU taking gmu x GPU memory.",
@@ -555,7 +556,7 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> F
 
 def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
     """What the native engine holds (native_fit), its gathered FSDP2 unit, one micro-batch's fp32
-    activations and the rollout's fp32 KV cache of the rank's sequences."""
+    activations (native_activations) and the rollout's fp32 KV cache of the rank's sequences."""
     P, N = m.params(), layout.gpus
     held = grpo_residency("", g, P, N)
     s = site.prompt_tokens + g.max_new_tokens
@@ -569,10 +570,27 @@ def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Sit
     gpu = [
         Term("resident", held.formula, held.bytes),
         gathered,
-        activations(m, micro, s, FP32.compute, 1, False, False),
+        native_activations(m, g, micro, site.prompt_tokens),
         kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, FP32.weight),
     ]
     return Footprint(gpu, host_terms(m, "P", P, node_ranks(layout, site.gpus_per_node), site))
+
+
+def native_activations(m: LlamaShape, g: GRPOStage, b: int, prompt: int) -> Term:
+    """What the native update holds for one micro-batch of b rows (stages/grpo/actor.py: each is
+    differentiated before the next is forwarded), in fp32, no recomputation: every layer's
+    activations of p + r positions (prompts shared: at most one prompt a row) and the logits, the
+    lm_head's over the positions it runs (every one of a whole row, the response's where prompts
+    are shared, each row then also a copy of its prompt's keys and values) and three r·V copies of
+    the response's: scaled by the temperature (saved), their gradient and the logsumexp's."""
+    r, c = g.max_new_tokens, FP32.compute
+    s = prompt + r
+    layers = m.layers * layer_activation_bytes(m, b, s, c, 1, False)
+    head, head_text = (r, "r") if g.shares_prompts else (s, "s")
+    kv = 2 * m.layers * m.kv_width * prompt * c * b if g.shares_prompts else 0
+    kv_text = " + 2·L·kv·p·c·b" if g.shares_prompts else ""
+    formula = f"L·b·s·c·(6h + 2kv + 4f) + b·V·c·({head_text} + 3r){kv_text}  [b={b}, s={s}, r={r}, c={c}]"
+    return Term("activations", formula, layers + b * m.vocab * c * (head + 3 * r) + kv)
 
 
 def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:

@@ -32,14 +32,21 @@ class Residency:
     """What the user can do when it does not fit."""
 
 
+def actor_bytes(g: GRPOStage, P: int, N: int, gradients: bool = True) -> float:
+    """The actor's fp32 weights and AdamW's two states (and its gradients, from an update's first
+    backward to its step): whole on every rank under DDP, over the N ranks under FSDP2."""
+    return (16 if gradients else 12) * P / (1 if g.data_parallel == "ddp" else N)
+
+
 def grpo_residency(stage_id: str, g: GRPOStage, P: int, N: int) -> Residency:
     instead = f"set {stage_id}.engine=verl (vLLM rollout, sharded bf16 actor with offload)"
+    actor = actor_bytes(g, P, N)
     if g.data_parallel == "ddp":  # actor 4+4+8, reference 4, rollout 4: all whole
         formula = "24·P (ddp: fp32 actor, gradients, AdamW, reference, rollout)"
-        return Residency(stage_id, formula, 24 * P, f"{stage_id}.engine", instead)
+        return Residency(stage_id, formula, actor + 8 * P, f"{stage_id}.engine", instead)
     # actor 4+4+8 and reference 4 over N; the rollout's copy and the sync's gathered copy whole
     formula = "20·P/N + 8·P (fsdp2: sharded actor and reference, whole rollout and sync)"
-    return Residency(stage_id, formula, 20 * P / N + 8 * P, f"{stage_id}.engine", instead)
+    return Residency(stage_id, formula, actor + FP32 * P / N + 8 * P, f"{stage_id}.engine", instead)
 
 
 def synth_residency(stage_id: str, P: int) -> Residency:

@@ -38,6 +38,10 @@ logits of a 4 x 512-token micro-batch dominate. The cases:
   logprobs_from_logits. fsdp2-logits: the same on the "vocab" model. (The plan counts the gathered
   weights as FSDP1 gathers them, verl's default strategy: the embeddings with one layer, where
   apply_fsdp2 makes each embedding a unit of its own; a few MiB over here.)
+- grpo-micro1, -micro2, -micro4: our native GRPO actor (stages/grpo/actor.py, the default FSDP2
+  layout, fp32) updating one mini-batch of 4 rows a rank of the "vocab" model, 128 prompt and 128
+  response tokens, in micro-batches of 1, 2 and 4 rows; predicted by native_fit's actor states, the
+  gathered unit and native_activations of one micro-batch: the peak grows with the micro-batch.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +60,7 @@ sys.path.insert(0, str(REPO))
 
 from analysis.memory import Footprint, Layout, Site, grpo_footprint, sft_stage_footprint  # noqa: E402
 from analysis.model_shape import LlamaShape, shape_from_hf_config  # noqa: E402
+from analysis.native_fit import actor_bytes  # noqa: E402
 from core.config import GRPOStage, SFTStage, VerlConfig  # noqa: E402
 
 MODELS = {
@@ -98,6 +103,8 @@ class Case:
     """Pipeline stages (deepspeed): dp = RANKS/pp, each stage measured and predicted on its own."""
     micro_steps: int = 1
     """Micro-batches a rank and step (deepspeed): 1F1B keeps min(pp - stage, micro_steps) in flight."""
+    micro: int = 0
+    """native: the stage's micro_batch_size, over the `batch` rows a rank of its one mini-batch."""
 
 
 CASES = {
@@ -112,6 +119,7 @@ CASES = {
     "fsdp2": Case("fsdp2", zero=3),
     "fsdp2-offload": Case("fsdp2", zero=3, offload=True),
     "fsdp2-logits": Case("fsdp2", zero=3, model="vocab", batch=4, seq=512),
+    **{f"grpo-micro{k}": Case("native", zero=3, model="vocab", batch=4, seq=256, micro=k) for k in (1, 2, 4)},
 }
 
 
@@ -135,6 +143,8 @@ def predict(case: Case, shape: LlamaShape, stage: int = 0) -> dict[str, float]:
         layout = Layout(RANKS, 1, case.zero, pp=case.pp)
         fp = sft_stage_footprint(shape, sft_stage(case), layout, site, stage)
         return figures(fp, resident=("weights", "optimizer"), steps=("training", "optimizer_step"))
+    if case.engine == "native":
+        return predict_native(case, shape, site)
     o, response = case.offload, case.seq // 2
     verl = VerlConfig(
         max_prompt_length=case.seq - response,
@@ -148,6 +158,16 @@ def predict(case: Case, shape: LlamaShape, stage: int = 0) -> dict[str, float]:
     # outside its use the actor keeps on the device what the generation phase holds beside vLLM
     resident = tuple(name for name in fp.phases["generation"] if name != "rollout_budget")
     return figures(fp, resident, steps=("training", "optimizer_step"))
+
+
+def predict_native(case: Case, shape: LlamaShape, site: Site) -> dict[str, float]:
+    """The actor's share of the native footprint (the bench runs no reference and no rollout): its
+    states (native_fit), its gathered FSDP2 unit and one micro-batch's activations."""
+    stage, P = native_stage(case), shape.params()
+    site = replace(site, prompt_tokens=case.seq - stage.max_new_tokens)
+    by_name = {t.name: t.bytes for t in grpo_footprint(shape, stage, Layout(RANKS, 1, 3), site).gpu}
+    peak = actor_bytes(stage, P, RANKS) + by_name["actor_gathered"] + by_name["activations"]
+    return {"states": actor_bytes(stage, P, RANKS, gradients=False), "host": 0.0, "peak": peak}
 
 
 def figures(fp: Footprint, resident: tuple[str, ...], steps: tuple[str, ...]) -> dict[str, float]:
@@ -170,7 +190,8 @@ def worker(name: str, model_dir: Path) -> None:
     init_distributed()
     torch.accelerator.reset_peak_memory_stats()
     case = CASES[name]
-    measured = (train_deepspeed if case.engine == "deepspeed" else train_fsdp2)(case, model_dir)
+    train = {"deepspeed": train_deepspeed, "fsdp2": train_fsdp2, "native": train_native}[case.engine]
+    measured = train(case, model_dir)
     measured["peak"] = torch.accelerator.max_memory_allocated()
     print_result({"rank": int(os.environ["RANK"]), **measured})
     shutdown_distributed()
@@ -269,6 +290,52 @@ def train_fsdp2(case: Case, model_dir: Path) -> dict:
         if case.offload:
             offload()
     return {"states": torch.accelerator.memory_allocated(), "host": host_bytes(model, optimizer)}
+
+
+def native_stage(case: Case) -> GRPOStage:
+    """One mini-batch of `batch` rows a rank (groups of 4), the second half of each sequence the
+    response; the default FSDP2 layout (each row forwarded whole); no reference (kl_coef 0)."""
+    group = 4
+    return GRPOStage(
+        prompts_per_step=case.batch * RANKS // group,
+        group_size=group,
+        mini_batches=1,
+        micro_batch_size=case.micro,
+        max_new_tokens=case.seq // 2,
+        kl_coef=0.0,
+    )
+
+
+def train_native(case: Case, model_dir: Path) -> dict:
+    """STEPS updates of our GRPO actor (stages/grpo/actor.py) on one rollout batch of random tokens,
+    every response as long as max_new_tokens, its old log-probabilities the update's own (on policy)."""
+    import numpy as np
+    import torch
+    from verl.protocol import DataProto
+
+    from runtime.dist import rank_device
+    from stages.grpo.actor import Actor
+    from stages.grpo.rollout import sequences
+
+    stage, device = native_stage(case), rank_device()
+    actor = Actor(model_dir, stage)
+    [ids] = random_batches(case, "cpu", 1)
+    response = stage.max_new_tokens
+    prompt, responses = ids[:, :-response], ids[:, -response:]
+    tensors = sequences(prompt, torch.ones_like(prompt), responses, eos_id=-1)  # no eos: full length
+    nan = torch.full(responses.shape, float("nan"))
+    signs = torch.randn(case.batch, 1, generator=torch.Generator().manual_seed(2))
+    advantages = signs.expand(responses.shape)
+    tensors |= {"old_log_probs": nan, "entropy": nan.clone(), "advantages": advantages.contiguous()}
+    uid = np.array([f"p{row // stage.group_size}" for row in range(case.batch)], dtype=object)
+    batch = DataProto.from_dict(
+        tensors={k: v.to(device) for k, v in tensors.items()},
+        non_tensors={"uid": uid},
+        meta_info={"temperature": 1.0},
+    )
+    for step in range(STEPS):
+        actor.update(batch, iteration=step + 1)
+    return {"states": torch.accelerator.memory_allocated(), "host": 0}
 
 
 def host_bytes(model, optimizer) -> int:

@@ -292,8 +292,9 @@ class GRPOStage(Section):
     """Most rows per forward on each rank in the log-prob and update passes. Rows are sorted by
     response length first (with reshard_after_forward false, a row less than half as long as the
     longest of its micro-batch starts another), and each micro-batch is forwarded only up to its own
-    longest response, so smaller micro-batches forward less padding (and hold fewer activations)
-    but make more forwards."""
+    longest response, so smaller micro-batches forward less padding but make more forwards. The
+    update differentiates each micro-batch before it forwards the next (gradients accumulate), so it
+    holds one micro-batch's activations; with shared prompts each micro-batch forwards its own."""
     reshard_after_forward: bool = True
     """FSDP2's (data_parallel fsdp2): free each gathered layer after its forward (and gather it again
     for the backward). False keeps the actor's layers gathered from a forward until its backward

@@ -10,6 +10,7 @@ rollout's are used (verl's bypass mode)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from verl.protocol import DataProto
 
 from core.config import GRPOStage
 from stages.engines import ddp, fsdp2, state_dicts
-from stages.grpo.logprobs import response_log_probs
+from stages.grpo.logprobs import micro_batch_log_probs, response_log_probs, update_micro_batches
 from stages.grpo.losses import actor_loss, policy_loss_config
 from stages.grpo.placement import load_role_model
 
@@ -68,29 +69,8 @@ class Actor:
         world = dist.get_world_size()
         for epoch in range(self.stage.ppo_epochs):
             for index, mini in enumerate(batch.chunk(self.stage.mini_batches)):
-                global_tokens = mini.batch["response_mask"].sum()
-                dist.all_reduce(global_tokens)
                 on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
-                log_prob, entropy = response_log_probs(
-                    self.model,
-                    mini,
-                    with_entropy=on_policy,
-                    micro_batch_size=self.stage.micro_batch_size,
-                    share_prompts=self.stage.shares_prompts,
-                )
-                if on_policy:  # written into the batch (mini is a view of it) for the later epochs
-                    mini.batch["old_log_probs"].copy_(log_prob.detach())
-                    mini.batch["entropy"].copy_(entropy)
-                loss, stats = actor_loss(
-                    log_prob,
-                    mini,
-                    self.loss_config,
-                    self.stage.kl_coef,
-                    self.stage.kl_type,
-                    int(global_tokens.clamp(min=1)),
-                    world,
-                )
-                loss.backward()
+                stats = self._accumulate_gradients(mini, on_policy, world)
                 if self.sharded and self.stage.shares_prompts:
                     fsdp2.reshard(
                         self.model
@@ -110,6 +90,46 @@ class Actor:
         dist.all_reduce(summed)
         updates = self.stage.ppo_epochs * self.stage.mini_batches
         return {f"actor/{k}": v / (updates * world) for k, v in zip(names, summed.tolist())}
+
+    def _accumulate_gradients(self, mini: DataProto, on_policy: bool, world: int) -> dict[str, torch.Tensor]:
+        """Forward and backward one micro-batch at a time, so that only one micro-batch's activations
+        are ever alive: each loss is its share of the mini-batch's global token mean, and the summed
+        gradient the whole mini-batch's. The statistics are the mini-batch's (the clip fraction a
+        mean over this rank's tokens). On policy, the forwards' own log-probs become the old ones."""
+        mask = mini.batch["response_mask"]
+        global_tokens = mask.sum()
+        dist.all_reduce(global_tokens)
+        global_tokens, rank_tokens = int(global_tokens.clamp(min=1)), mask.sum().clamp(min=1)
+        groups = update_micro_batches(
+            mini, self.stage.micro_batch_size, self.stage.shares_prompts, self.sharded
+        )
+        totals: dict[str, torch.Tensor] = {}
+        for i, rows in enumerate(groups):
+            with self._gradient_sync(last=i == len(groups) - 1):
+                micro = mini.select_idxs(rows)
+                stats = self._backward(mini, micro, rows, on_policy, global_tokens, world)
+            stats["clip_frac"] = stats["clip_frac"] * micro.batch["response_mask"].sum() / rank_tokens
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def _backward(self, mini, micro, rows, on_policy: bool, global_tokens: int, world: int) -> dict:
+        """One micro-batch's forward and backward (`micro`: the `rows` of `mini`); its statistics."""
+        log_prob, entropy = micro_batch_log_probs(self.model, micro, on_policy, self.stage.shares_prompts)
+        if on_policy:  # into the batch (mini is a view of it) for the later epochs
+            for key, value in (("old_log_probs", log_prob.detach()), ("entropy", entropy)):
+                mini.batch[key][rows] = micro.batch[key] = value
+        loss, stats = actor_loss(
+            log_prob, micro, self.loss_config, self.stage.kl_coef, self.stage.kl_type, global_tokens, world
+        )
+        loss.backward()
+        return stats
+
+    def _gradient_sync(self, last: bool):
+        """DDP all-reduces in the last micro-batch's backward only (its gradients are whole on every
+        rank anyway). FSDP2 reduce-scatters in every backward: without, every layer's unsharded
+        gradient, the whole model's, would stay until the last one."""
+        return contextlib.nullcontext() if self.sharded or last else self.model.no_sync()
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -64,6 +64,24 @@ def response_log_probs(
     return log_probs, torch.cat([e for _, e in pieces])[restore] if with_entropy else None
 
 
+def update_micro_batches(batch: DataProto, micro_batch_size: int, share_prompts: bool, sharded: bool):
+    """The rows of each micro-batch the update differentiates on its own, cut as response_log_probs
+    cuts them. `sharded` (FSDP2): every backward reduce-scatters, so every rank makes as many."""
+    lengths = batch.batch["response_mask"].sum(dim=1)
+    groups = micro_batches(lengths, micro_batch_size, cut_where_halved=share_prompts)
+    return split_to(groups, most_over_ranks(len(groups), lengths.device)) if sharded else groups
+
+
+def micro_batch_log_probs(model, micro: DataProto, with_entropy: bool, share_prompts: bool):
+    """response_log_probs of one micro-batch forwarded on its own, its distinct prompts included:
+    the update differentiates each micro-batch before the next, so nothing of one outlives it."""
+    t = micro.batch
+    prompts = SharedPrompts.forward(model, t) if share_prompts else None
+    rows = torch.arange(len(micro), device=t["responses"].device)
+    width, temperature = t["responses"].shape[1], micro.meta_info["temperature"]
+    return _forward(model, t, prompts, rows, width, temperature, with_entropy)
+
+
 def micro_batches(lengths: torch.Tensor, max_rows: int, cut_where_halved: bool = True) -> list[torch.Tensor]:
     """The rows of each micro-batch, by response length, longest first: at most `max_rows` a
     micro-batch, and (`cut_where_halved`) a row less than half as long as its micro-batch's longest

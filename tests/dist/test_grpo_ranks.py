@@ -73,6 +73,30 @@ def test_ddp_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
     assert two_ranks["update_all_gathers"] == 0  # nothing is gathered: only the gradients are all-reduced
 
 
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_one_row_micro_batches_give_the_update_of_one_micro_batch(model_dir, two_ranks, reshard_after_forward,
+                                                                  tmp_path_factory):
+    """Each of a rank's 8 rows forwarded and differentiated on its own (gradients accumulated,
+    FSDP2 reduce-scattering every backward) against one forward and backward of all 8: the same
+    weights and statistics. With reshard_after_forward false, prompts are shared within a micro-batch
+    and the layers stay gathered over the micro-batches."""
+    whole = two_ranks[reshard_after_forward]
+    rows = run_step(model_dir, tmp_path_factory.mktemp(f"micro-{reshard_after_forward}"), 2, "micro_batch_size=1",
+                    f"reshard_after_forward={reshard_after_forward}")
+    diff = max((whole["weights"][k] - rows["weights"][k]).abs().max().item() for k in whole["weights"])
+    print(f"max |micro 1 - micro 16| = {diff:.2e}")
+    assert diff < 1e-5, diff  # Adam (lr 1e-2) magnifies the rounding of its smallest gradients
+    assert rows["stats"] == pytest.approx(whole["stats"], rel=1e-5, abs=1e-6)
+
+
+def test_ddp_with_one_row_micro_batches_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+    """DDP skips the all-reduce (no_sync) in every micro-batch's backward but the last: the
+    accumulated gradients are still averaged over the ranks, once."""
+    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("ddp-micro"), 2, "data_parallel=ddp",
+                         "micro_batch_size=1")
+    assert_same_update(model_dir, one_rank, two_ranks)
+
+
 def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:
     results = {1: one_rank, 2: two_ranks}
     initial = LlamaForCausalLM.from_pretrained(model_dir).state_dict()

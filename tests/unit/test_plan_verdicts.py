@@ -233,15 +233,17 @@ def test_grpo_on_verl_megatron_with_param_offload_fits_with_that_caveat():
 
 
 # Native GRPO (FSDP2 over 4 ranks, layers resharded): native_fit's 20·P/N + 8·P, the gathered root
-# unit, fp32 activations of 4 rows (16 prompts x 2 / 4 ranks / 2 mini-batches) of 8 + 64 tokens, the
-# fp32 KV cache of the rank's 8 sequences; all at once. It has no offload: no offload tier.
+# unit, fp32 activations of 4 rows (16 prompts x 2 / 4 ranks / 2 mini-batches) of 8 + 64 tokens (the
+# logits of every position and three fp32 copies of the 64 response positions'), the fp32 KV cache
+# of the rank's 8 sequences; all at once. It has no offload: no offload tier.
 NATIVE_GRPO = GRPOStage(prompts_per_step=16, group_size=2, mini_batches=2, micro_batch_size=16)
 NATIVE_S = PROMPT + 64
 NATIVE_PEAK = (
     20 * P / GPUS
     + 8 * P
     + (2 * V * H + LAYER) * 2
-    + activations(4, NATIVE_S, 4, scores=False, recompute=False)
+    + L * 4 * NATIVE_S * 4 * (6 * H + 2 * KV + 4 * F)
+    + 4 * V * 4 * (NATIVE_S + 3 * 64)
     + 2 * L * KV * NATIVE_S * 4 * 8
 )
 
