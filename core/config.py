@@ -344,7 +344,9 @@ class GRPOStage(Section):
     actor computes in bf16 over fp32 master weights and optimizer states (gradients reduced in fp32);
     the reference and the rollout hold bf16 copies; final/ is written in bf16. Log-probabilities,
     the loss and sampling are fp32 either way, and fp32 matmuls on CUDA use TF32. 'auto': bf16 on CUDA
-    ranks, fp32 on CPU ones (measured faster there: bench/RESULTS.md). verl's engine ignores it."""
+    ranks, fp32 on CPU ones (measured faster there: bench/RESULTS.md). Under DDP the actor's autocast
+    keeps its residual stream in fp32, so its log-probs differ from the bf16 reference's and
+    rollout's by rounding even before a step (FSDP2's bf16 forward is theirs). verl's engine ignores it."""
     checkpoint_every: PositiveInt = 10
     """Iterations between step checkpoints."""
     keep_checkpoints: PositiveInt = 2
