@@ -16,7 +16,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     """The dtype a stage's `dtype` setting names on `device`. 'auto' is bf16 on CUDA (tensor cores;
     fp32 master weights keep the update exact enough) and fp32 elsewhere: on the CPU ranks bf16 was
-    measured slower, not faster (bench/RESULTS.md, "GRPO precision on the CPU")."""
+    measured slower, and log-probs move (bench/RESULTS.md, "GRPO precision on the CPU")."""
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if setting not in DTYPES:
