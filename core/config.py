@@ -340,6 +340,14 @@ class GRPOStage(Section):
     """Reward for a well-formed <think>/<answer> response, added to 1.0 for a correct answer."""
     grad_clip: NonNegativeFloat = 1.0
     """Global gradient-norm clip."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision of the native engine (SFT's field, with a per-device default). 'bf16': the
+    actor computes in bf16 over fp32 master weights and optimizer states (gradients reduced in fp32);
+    the reference and the rollout hold bf16 copies; final/ is written in bf16. Log-probabilities,
+    the loss and sampling are fp32 either way, and fp32 matmuls on CUDA use TF32. 'auto': bf16 on CUDA
+    ranks, fp32 on CPU ones (measured faster there: bench/RESULTS.md). Under DDP the actor's autocast
+    keeps its residual stream in fp32, so its log-probs differ from the bf16 reference's and
+    rollout's by rounding even before a step (FSDP2's bf16 forward is theirs). verl's engine ignores it."""
     checkpoint_every: PositiveInt = 10
     """Iterations between step checkpoints."""
     keep_checkpoints: PositiveInt = 2
@@ -357,7 +365,7 @@ class GRPOStage(Section):
 
 class SynthStage(Section):
     engine: Literal["native", "verl"] = "native"
-    """'native': the in-tree sampler (torchrun, one whole fp32 model a rank, runs anywhere);
+    """'native': the in-tree sampler (torchrun, one whole model a rank in `dtype`, runs anywhere);
     'verl': verl's generation server (vLLM/SGLang replicas on Ray; GPU clusters only, through
     `hpcr1 submit`). Either way the same reward filter keeps the answers."""
     verl: VerlRolloutConfig = VerlRolloutConfig()
@@ -378,6 +386,9 @@ class SynthStage(Section):
     """Generation budget per response."""
     batch_size: PositiveInt = 64
     """Prompts a rank generates together; ranks take batches from a shared queue."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """The native sampler's model precision (sampling itself is fp32): as GRPO's, 'auto' is bf16 on
+    CUDA ranks and fp32 on CPU ones."""
 
     def upstream(self) -> list[str]:
         return [self.init_from] if self.init_from != "base" else []

@@ -32,11 +32,13 @@ import torch.distributed as dist
 
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
+from runtime.dist import rank_device
 from runtime.phases import phase, take_phase_times
 from runtime.preemption import leave_if_requested, signalled
 from stages.data.examples import Example, read_examples, write_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.engines.ddp import load_replicated
+from stages.engines.precision import compute_dtype, enable_tf32
 from stages.generation import generate_responses
 from stages.kept import MISSING, inputs_fingerprint, load_record, save_record
 from stages.metrics import MetricsLogger
@@ -168,7 +170,9 @@ def run(ctx: StageContext) -> None:
     stage, run, cfg = ctx.stage, ctx.run, ctx.cfg
     model_dir = run.model_dir(stage.init_from)
     tokenizer = load_tokenizer(model_dir)
-    model = load_replicated(model_dir, trainable=False)
+    device = rank_device()
+    enable_tf32(device)
+    model = load_replicated(model_dir, trainable=False, compute_dtype=compute_dtype(stage.dtype, device))
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
     num_batches = -(-len(prompts) // stage.batch_size)
     # rank 0 decides what is left, so that every rank hands out the same batches

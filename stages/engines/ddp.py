@@ -28,14 +28,24 @@ NO_BUFFER_SYNC = (
 )
 
 
-def load_replicated(hf_dir: Path, trainable: bool) -> torch.nn.Module:
-    """The model of `hf_dir` in fp32, whole on this rank; trainable, wrapped in DDP (which starts
-    every rank from rank 0's weights). Frozen, it is also the rollout's and the synthesis's copy."""
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(rank_device())
+def load_replicated(
+    hf_dir: Path, trainable: bool, compute_dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The model of `hf_dir` whole on this rank. Frozen (also the rollout's and the synthesis's
+    copy), in `compute_dtype`. Trainable, wrapped in DDP (which starts every rank from rank 0's
+    weights), its parameters fp32 master weights and its forward autocast to `compute_dtype`."""
+    device = rank_device()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32 if trainable else compute_dtype)
+    model = model.to(device)
     model.requires_grad_(trainable)
     model.train(trainable)
     if not trainable:
         return model
+    if compute_dtype != torch.float32:
+        # torch's mixed precision for DDP: autocast around the forward only (the backward follows the
+        # forward's dtypes), gradients and the all-reduce in the parameters' fp32. Wrapping the
+        # module's own forward autocasts every caller's.
+        model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
     # The only buffers are the rotary embedding's frequencies, computed from the config on every
     # rank: broadcasting them before every forward (DDP's default) would be a collective a forward.
     return DistributedDataParallel(model, **NO_BUFFER_SYNC)

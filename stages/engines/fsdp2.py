@@ -10,7 +10,7 @@ CPU (gloo, DeviceMesh "cpu") and on GPUs (NCCL).
 Loading never holds the whole model on a rank: the model is built on the meta device, sharded,
 and each rank reads from the safetensors files only the rows of its own shards (FSDP2 shards every
 parameter on dim 0), so a node's host memory holds the model once over all its ranks, not once
-per rank (a 70B model in fp32 is 280 GB).
+per rank (a 70B model in fp32 is 280 GB). Precision: stages/engines/precision.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from runtime.dist import rank_device
@@ -30,19 +30,32 @@ from stages.models.hf_files import HFCheckpoint
 
 
 def load_sharded(
-    hf_dir: Path, trainable: bool, reshard_after_forward: bool = True, units: str = "layer"
+    hf_dir: Path,
+    trainable: bool,
+    reshard_after_forward: bool = True,
+    units: str = "layer",
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """The model of `hf_dir` in fp32, sharded over every rank (one FSDP unit per decoder layer, or
-    with `units="model"` one for the whole model); each rank reads only its own rows of each tensor."""
+    """The model of `hf_dir` sharded over every rank (one FSDP unit per decoder layer, or with
+    `units="model"` one for the whole model); each rank reads only its own rows of each tensor.
+    Trainable, its shards are fp32 master weights that FSDP2 gathers in `compute_dtype` (and whose
+    gradients it reduces in fp32); frozen, the shards themselves are in `compute_dtype`."""
     device = rank_device()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(hf_dir), dtype=torch.float32 if trainable else compute_dtype
+        )
     model.requires_grad_(trainable)
     model.train(trainable)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    shard = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+    )
     for layer in model.model.layers if units == "layer" else []:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **shard)
+    fully_shard(model, **shard)
     model.to_empty(device=device)
     _read_own_rows(model, HFCheckpoint(hf_dir))
     _rebuild_rotary_buffers(model, device)

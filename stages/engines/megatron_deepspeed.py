@@ -31,10 +31,9 @@ from runtime.phases import phase
 from stages.data.sft_batches import MicroBatch
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.engines.pipeline import PhaseTimers, pipeline_step
+from stages.engines.precision import DTYPES
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron
 from stages.models.megatron_llama import build_megatron_llama
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class MegatronMpu:

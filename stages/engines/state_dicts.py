@@ -33,10 +33,12 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = False) -> dict[st
     return get_model_state_dict(model, options=options)
 
 
-def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path) -> None:
-    """Write a Hugging Face directory from rank 0 (safetensors, config.json, the tokenizer's files)."""
+def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path, dtype: torch.dtype) -> None:
+    """Write a Hugging Face directory from rank 0 (safetensors, config.json, the tokenizer's files),
+    the weights in `dtype` (the stage's: the master weights rounded as its compute rounds them)."""
     state = full_state_dict(model, rank0_only=True)
     if dist.get_rank() == 0:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
         save_hf_dir(state, unwrapped(model).config, out_dir, tokenizer_dir=tokenizer_dir)
     dist.barrier()
 

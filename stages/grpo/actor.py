@@ -21,7 +21,7 @@ from core.config import GRPOStage
 from stages.engines import ddp, fsdp2, state_dicts
 from stages.grpo.logprobs import micro_batch_log_probs, response_log_probs, update_micro_batches
 from stages.grpo.losses import actor_loss, policy_loss_config
-from stages.grpo.placement import load_role_model
+from stages.grpo.placement import load_role_model, role_dtype
 
 
 class Actor:
@@ -146,7 +146,7 @@ class Actor:
         return state_dicts.load_checkpoint(self.model, self.optimizer, directory)
 
     def export_hf(self, out_dir: Path, tokenizer_dir: Path) -> None:
-        state_dicts.export_hf(self.model, out_dir, tokenizer_dir)
+        state_dicts.export_hf(self.model, out_dir, tokenizer_dir, role_dtype(self.stage))
 
     def close(self) -> None:
         """Free the sharded policy and its optimizer state before final/ is evaluated."""

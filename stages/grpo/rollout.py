@@ -30,8 +30,9 @@ class Rollout:
         temperature: float,
         top_p: float,
         with_log_probs: bool = False,
+        dtype: torch.dtype = torch.float32,
     ):
-        self.model = load_replicated(model_dir, trainable=False)
+        self.model = load_replicated(model_dir, trainable=False, compute_dtype=dtype)
         self.tokenizer = tokenizer
         self.group_size, self.max_new_tokens = group_size, max_new_tokens
         self.temperature, self.top_p = temperature, top_p
@@ -40,7 +41,7 @@ class Rollout:
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Overwrite this copy's parameters with the actor's, by parameter name (a tied head is
-        its embedding's one parameter on both sides)."""
+        its embedding's one parameter on both sides), cast to this copy's dtype."""
         own = dict(self.model.named_parameters())
         if own.keys() != weights.keys():
             raise ValueError(f"rollout and actor parameters differ: {sorted(own.keys() ^ weights.keys())}")

@@ -12,14 +12,17 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from runtime.context import StageContext
+from runtime.dist import rank_device
 from runtime.phases import phase
 from runtime.preemption import leave_if_requested
 from stages.data.examples import read_examples
 from stages.data.tokenizer import load_tokenizer
+from stages.engines.precision import enable_tf32
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.difficulty import pass_counts, select_prompts
 from stages.grpo.losses import grpo_advantages
+from stages.grpo.placement import role_dtype
 from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
@@ -64,6 +67,7 @@ def build_roles(init_dir, tokenizer, stage) -> Roles:
             stage.temperature,
             stage.top_p,
             with_log_probs=stage.old_log_probs == "rollout",
+            dtype=role_dtype(stage),
         ),
         reward=reward,
     )
@@ -203,6 +207,7 @@ def kept_pass_counts(ctx: StageContext, roles: Roles, prompts: list) -> list[int
 
 def run(ctx: StageContext) -> None:
     stage, cfg = ctx.stage, ctx.cfg
+    enable_tf32(rank_device())
     init_dir = ctx.run.model_dir(stage.init_from)
     tokenizer = load_tokenizer(init_dir)
     roles = build_roles(init_dir, tokenizer, stage)
