@@ -1,6 +1,6 @@
 """Content digests that are read once: a file's sha256 is trusted for as long as its stat (size,
 modification time) is the one recorded beside it, and large files are digested in fixed-size pieces
-so that hashing can be shared out evenly over ranks.
+so that ranks can share out the hashing of one file.
 
 A piece is (path relative to the root, offset, length); a file's digest is the list of its pieces'
 sha256 in order (a single piece with `chunk_bytes` 0: the whole file's sha256, the old format).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.atomic import atomic_write_text, file_sha256
 
-# Bounds how unevenly hashing can be shared out: no rank has more than one piece more than another.
+# What a rank may still be hashing when the others are done: the bound on their wait.
 CHUNK_BYTES = 64 << 20
 BLOCK = 1 << 20
 
@@ -44,19 +44,6 @@ def pieces_of(sizes: dict[str, int], chunk_bytes: int) -> list[Piece]:
         step = chunk_bytes or max(size, 1)
         pieces += [(rel, offset, min(step, size - offset)) for offset in range(0, max(size, 1), step)]
     return pieces
-
-
-def share(pieces: list[Piece], rank: int, world: int) -> list[Piece]:
-    """Rank `rank`'s part of `pieces`: largest first, each to the least loaded rank, the same on
-    every rank (no communication needed to agree on it)."""
-    load = [0] * world
-    mine = []
-    for piece in sorted(pieces, key=lambda p: (-p[2], p[0], p[1])):
-        owner = min(range(world), key=lambda r: (load[r], r))
-        load[owner] += max(piece[2], 1)
-        if owner == rank:
-            mine.append(piece)
-    return mine
 
 
 def hash_piece(root: Path, piece: Piece, chunk_bytes: int) -> str:

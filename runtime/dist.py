@@ -181,3 +181,15 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def claimed(items: list, key: str, store: dist.Store | None = None):
+    """`items` handed out once each over all ranks, first come first served, through the process
+    group's store (`key` names this one hand-out): a rank that is done early takes the next item
+    instead of waiting for the others, so none finishes more than one item after another."""
+    if store is None and not dist.is_initialized():
+        yield from items
+        return
+    store = store or dist.distributed_c10d._get_default_store()
+    while (i := store.add(key, 1) - 1) < len(items):
+        yield items[i]

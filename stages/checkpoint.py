@@ -1,7 +1,7 @@
 """Step checkpoints: ckpt/step-000120/, written under a temporary name and renamed when complete,
 with a checksums.json (each file's sha256 per 64 MiB piece, and its size and modification time)
 that resume verifies: a file whose stat is the sealed one is trusted, the others are read again,
-every rank hashing its share. A checkpoint that fails verification is skipped with a
+the ranks hashing its pieces first come first served. A checkpoint that fails verification is skipped with a
 warning and the previous one is used; only the newest `keep` valid ones are retained.
 
 The engine writes its own (sharded) files into the directory it is given; this module only names,
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -31,9 +32,9 @@ from core.digests import (
     hash_piece,
     hash_pieces,
     pieces_of,
-    share,
     stat_of,
 )
+from runtime.dist import claimed
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
@@ -89,14 +90,14 @@ class CheckpointDir:
 
     def seal(self, step: int) -> Path:
         """Digest the staged files and rename the directory into place. Every rank calls it once its
-        engine has saved: each hashes its share of the files' pieces (no rank reads more than one
-        piece more than another), so the collectives here wait for at most one piece's hashing."""
+        engine has saved: the ranks hash the files' pieces first come first served, so the
+        collectives here wait for at most one piece's hashing, whatever the size."""
         staging, final = self.staging(step), self.root / step_name(step)
-        rank, world = _rank_world()
+        rank = _rank_world()[0]
         _barrier()  # every rank's files are written
         stats = _from_rank0(lambda: file_stats(staging, skip=frozenset({CHECKSUMS})))
         sizes = {rel: size for rel, (size, _mtime) in stats.items()}
-        mine = hash_pieces(staging, share(pieces_of(sizes, CHUNK_BYTES), rank, world), CHUNK_BYTES)
+        mine = hash_pieces(staging, _claim(pieces_of(sizes, CHUNK_BYTES)), CHUNK_BYTES)
         moved = sorted(rel for rel, _offset, _length in mine if stat_of(staging / rel) != stats[rel])
         hashed, moved = _merge_all(mine, moved)
         if moved:
@@ -122,7 +123,7 @@ class CheckpointDir:
     def survey(self, steps: list[int] | None = None, want: int = 1) -> tuple[int | None, dict[str, str]]:
         """The newest checkpoint that verifies, and why each newer one was skipped; goes on until
         `want` verify (those retention keeps). With torch.distributed initialised every rank calls it
-        with the same `steps` and checks its share of each."""
+        with the same `steps` and checks a share of each."""
         skipped: dict[str, str] = {}
         valid = []
         for step in reversed(self.sealed_steps() if steps is None else steps):
@@ -139,7 +140,7 @@ class CheckpointDir:
     def verify(self, step: int, rehash: bool = False, trust_only: bool = False) -> str | None:
         """None if the checkpoint's files are those sealed. A file whose size and modification time
         are the sealed ones is trusted; the others (every file with `rehash`, or in an old
-        checksums.json without stats) are read again, each rank its share, and their stats
+        checksums.json without stats) are read again, the ranks sharing the pieces, and their stats
         recorded once they match. `trust_only`: such a file is a problem, nothing is read."""
         path = self.root / step_name(step)
         now = _from_rank0(lambda: file_stats(path, skip=frozenset({CHECKSUMS})))
@@ -148,7 +149,7 @@ class CheckpointDir:
         except (OSError, ValueError) as e:
             problem, stale = _agree(f"no readable {CHECKSUMS}: {e}", {})
         else:
-            problem, stale = _agree(*_check_share(path, record, now, rehash, trust_only))
+            problem, stale = _agree(*_check_share(path, record, now, rehash, trust_only, _claim))
         if problem is None:
             if stale and _rank_world()[0] == 0:
                 _restamp(path, record, stale)
@@ -187,7 +188,7 @@ class CheckpointDir:
             return False
         path = self.root / step_name(step)
         now = file_stats(path, skip=frozenset({CHECKSUMS}))
-        return _check_share(path, record, now, rehash=False, trust_only=True)[0] is None
+        return _check_share(path, record, now, rehash=False, trust_only=True, claim=None)[0] is None
 
 
 def read_record(path: Path) -> dict:
@@ -206,10 +207,11 @@ def read_record(path: Path) -> dict:
 
 
 def _check_share(
-    path: Path, record: dict, now: dict[str, list[int]], rehash: bool, trust_only: bool
+    path: Path, record: dict, now: dict[str, list[int]], rehash: bool, trust_only: bool, claim
 ) -> tuple[str | None, dict]:
     """(this rank's problem, {file: stat} of the files it re-read and found intact); `now` is the
-    checkpoint's {file: stat} as rank 0 sees it, so that every rank shares out the same pieces."""
+    checkpoint's {file: stat} as rank 0 sees it, so that every rank claims from the same pieces.
+    `claim` hands this rank its pieces (None where only stats are compared: trust_only)."""
     files, chunk = record["files"], record["chunk_bytes"]
     wrong = {rel for rel in files.keys() ^ now.keys()}
     wrong |= {
@@ -222,9 +224,9 @@ def _check_share(
         return f"changed since it was sealed: {', '.join(sorted(stale)[:3])}", {}
     if wrong:
         return _mismatch(wrong), {}
-    rank, world = _rank_world()
-    mine = share(pieces_of({rel: now[rel][0] for rel in stale}, chunk), rank, world)
-    for piece in mine:
+    mine = []
+    for piece in claim(pieces_of({rel: now[rel][0] for rel in stale}, chunk)) if stale else ():
+        mine.append(piece)
         rel, offset, _length = piece
         expected = files[rel]["sha256"]
         index = offset // chunk if chunk else 0
@@ -283,6 +285,18 @@ def agreed_resume_step(ckpts: CheckpointDir) -> int | None:
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+# Every rank seals and verifies the same checkpoints in the same order, so the n-th hand-out has
+# the same key everywhere.
+_HAND_OUTS = itertools.count()
+
+
+def _claim(pieces: list):
+    """This rank's pieces, largest first, each claimed through the process group's store when the
+    rank is ready to hash it (an iterator: consume it as you hash)."""
+    key = f"hpcr1/checkpoint-pieces/{next(_HAND_OUTS)}"
+    return claimed(sorted(pieces, key=lambda p: (-p[2], p[0], p[1])), key)
 
 
 def _barrier() -> None:

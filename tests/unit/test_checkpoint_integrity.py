@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from core.atomic import atomic_write_text, file_sha256
-from core.digests import pieces_of, share, stat_of
+from core.digests import pieces_of, stat_of
+from runtime.dist import claimed
 from stages.checkpoint import CHECKSUMS, CheckpointDir, CheckpointWriteError, step_name
 
 
@@ -131,12 +135,24 @@ def test_an_old_checksums_json_still_verifies_and_is_then_trusted(tmp_path):
     assert record["files"]["model.pt"] == {"stat": stat_of(model), "sha256": [file_sha256(model)]}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_pieces_are_shared_out_once_each_and_evenly(world):
+def test_pieces_are_cut_to_size_and_claimed_once_each_by_whichever_rank_is_free():
+    """Two ranks (threads) claim from one store, one ten times slower a piece: every piece is hashed
+    once, and the fast rank takes more, so neither waits long for the other."""
     sizes = {"a": 0, "b": 5 * 100 + 7, "c": 100, "d": 3 * 100}
     pieces = pieces_of(sizes, chunk_bytes=100)
     assert sum(length for _rel, _offset, length in pieces) == sum(sizes.values())
-    shares = [share(pieces, rank, world) for rank in range(world)]
-    assert sorted(p for s in shares for p in s) == sorted(pieces)  # each piece once
-    loads = [sum(length for _rel, _offset, length in s) for s in shares]
-    assert max(loads) - min(loads) <= 100, loads  # within one piece of each other
+    store = dist.HashStore()
+    taken = {0.02: [], 0.002: []}
+
+    def rank(seconds_a_piece: float) -> None:
+        for piece in claimed(pieces, "pieces", store):
+            taken[seconds_a_piece].append(piece)
+            time.sleep(seconds_a_piece)
+
+    threads = [threading.Thread(target=rank, args=(s,)) for s in taken]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(taken[0.02] + taken[0.002]) == sorted(pieces)  # each piece once
+    assert len(taken[0.002]) > len(taken[0.02])
