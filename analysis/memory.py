@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from analysis.model_shape import LlamaShape
-from analysis.native_fit import grpo_residency, synth_residency
+from analysis.native_fit import grpo_residency, held_width, synth_residency
 from core.cluster import rollout_span_problem
 from core.config import EvalConfig, GRPOStage, SFTStage, SynthStage, VerlRolloutConfig
 
@@ -145,12 +145,13 @@ ASSUMPTIONS = (
     "whole response (unset, verl 0.9.1 passes the model's max_position_embeddings; longer than "
     "that, vLLM refuses). vLLM's own activations and CUDA graphs also come out of its budget; "
     "they are not counted, only the weights and that minimum KV cache.",
-    "Native GRPO (engine native): what analysis/native_fit.py says it holds a GPU (fp32 actor, "
-    "reference and rollout), the gathered FSDP2 unit, the fp32 activations of one micro-batch (the "
-    "update differentiates each before it forwards the next: stages/grpo/actor.py), with the logits of "
-    "every position its lm_head runs and three copies of the response's, and the rollout's fp32 "
-    "KV cache of the rank's prompts_per_step·G/N sequences. Prompts are --prompt-tokens long.",
-    "Native synthesis (engine native): one whole fp32 copy a rank (native_fit) and the fp32 KV cache "
+    "Native GRPO (engine native): what analysis/native_fit.py says it holds a GPU (fp32 actor master "
+    "weights and states; reference and rollout in the stage's dtype, 'auto' being bf16 on GPUs), the "
+    "gathered FSDP2 unit, the activations of one micro-batch in that dtype (the update differentiates "
+    "each before it forwards the next: stages/grpo/actor.py), with the fp32 logits of every position "
+    "its lm_head runs and three copies of the response's, and the rollout's KV cache of the rank's "
+    "prompts_per_step·G/N sequences. Prompts are --prompt-tokens long.",
+    "Native synthesis (engine native): one whole copy a rank in its dtype (native_fit) and the KV cache "
     "of one batch (batch_size x samples_per_prompt sequences). Synthesis on verl: vLLM replicas of "
     "rollout_tp GPUs, each GPU taking gmu x GPU memory.",
     "Host memory per node: SFT's and native GRPO's loaders read each rank's own shard or copy of the "
@@ -555,9 +556,11 @@ def grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> F
 
 
 def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
-    """What the native engine holds (native_fit), its gathered FSDP2 unit, one micro-batch's fp32
-    activations (native_activations) and the rollout's fp32 KV cache of the rank's sequences."""
-    P, N = m.params(), layout.gpus
+    """What the native engine holds (native_fit), its gathered FSDP2 unit, one micro-batch's
+    activations (native_activations) and the rollout's KV cache of the rank's sequences, these in
+    the stage's dtype. (The gathered unit is counted in bf16 whatever the dtype: fp32 gathers twice
+    that, which the measured fp32 peaks do not show: bench/RESULTS.md.)"""
+    P, N, w = m.params(), layout.gpus, held_width(g)
     held = grpo_residency("", g, P, N)
     s = site.prompt_tokens + g.max_new_tokens
     rollout_seqs = g.prompts_per_step * g.group_size / N
@@ -571,26 +574,27 @@ def native_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Sit
         Term("resident", held.formula, held.bytes),
         gathered,
         native_activations(m, g, micro, site.prompt_tokens),
-        kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, FP32.weight),
+        kv_cache(m, rollout_seqs, "prompts_per_step·G/N", s, w),
     ]
     return Footprint(gpu, host_terms(m, "P", P, node_ranks(layout, site.gpus_per_node), site))
 
 
 def native_activations(m: LlamaShape, g: GRPOStage, b: int, prompt: int) -> Term:
     """What the native update holds for one micro-batch of b rows (stages/grpo/actor.py: each is
-    differentiated before the next is forwarded), in fp32, no recomputation: every layer's
-    activations of p + r positions (prompts shared: at most one prompt a row) and the logits, the
+    differentiated before the next is forwarded), no recomputation: every layer's activations of
+    p + r positions in the stage's dtype (prompts shared: at most one prompt a row) and the fp32
+    logits (the loss casts them; bf16 ones are transient), the
     lm_head's over the positions it runs (every one of a whole row, the response's where prompts
     are shared, each row then also a copy of its prompt's keys and values) and three r·V copies of
     the response's: scaled by the temperature (saved), their gradient and the logsumexp's."""
-    r, c = g.max_new_tokens, FP32.compute
+    r, c, f = g.max_new_tokens, held_width(g), FP32.compute
     s = prompt + r
     layers = m.layers * layer_activation_bytes(m, b, s, c, 1, False)
     head, head_text = (r, "r") if g.shares_prompts else (s, "s")
     kv = 2 * m.layers * m.kv_width * prompt * c * b if g.shares_prompts else 0
     kv_text = " + 2·L·kv·p·c·b" if g.shares_prompts else ""
-    formula = f"L·b·s·c·(6h + 2kv + 4f) + b·V·c·({head_text} + 3r){kv_text}  [b={b}, s={s}, r={r}, c={c}]"
-    return Term("activations", formula, layers + b * m.vocab * c * (head + 3 * r) + kv)
+    formula = f"L·b·s·c·(6h + 2kv + 4f) + b·V·4·({head_text} + 3r){kv_text}  [b={b}, s={s}, r={r}, c={c}]"
+    return Term("activations", formula, layers + b * m.vocab * f * (head + 3 * r) + kv)
 
 
 def verl_grpo_footprint(m: LlamaShape, g: GRPOStage, layout: Layout, site: Site) -> Footprint:
@@ -788,11 +792,11 @@ def synth_footprint(m: LlamaShape, st: SynthStage, layout: Layout, site: Site) -
         budget, weights, min_kv, refusals = rollout_terms(m, st.verl, site.gpu_bytes, st.max_new_tokens)
         host = host_terms(m, "P/tp", P / st.verl.rollout_tp, ranks, site)
         return Footprint([budget, weights, min_kv], host, {"generation": ("rollout_budget",)}, refusals)
-    held = synth_residency("", P)
+    held = synth_residency("", st, P)
     seqs = st.batch_size * st.samples_per_prompt
     s = site.prompt_tokens + st.max_new_tokens
     gpu = [
         Term("weights", held.formula, held.bytes),
-        kv_cache(m, seqs, "batch_size·samples_per_prompt", s, FP32.weight),
+        kv_cache(m, seqs, "batch_size·samples_per_prompt", s, held_width(st)),
     ]
     return Footprint(gpu, host_terms(m, "P", P, ranks, site))

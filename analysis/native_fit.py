@@ -1,13 +1,14 @@
 """What the native engines hold on each GPU as they load today, before a single activation: a lower
 bound that a GPU must exceed for the stage to have any chance, checked before any job is queued.
 
-Native GRPO (stages/grpo): the actor and reference in fp32 (engines/ddp.py, engines/fsdp2.py), whole
-on every rank under DDP or sharded over the N ranks under FSDP2; the actor's gradients and AdamW's
-two states in fp32 likewise; the rollout's own whole fp32 copy (grpo/rollout.py); under FSDP2 the
-weight sync gathers every unit at once (fsdp2.gathered_parameters), a second whole fp32 copy for
-its duration. Native synthesis (stages/synth.py) loads one whole fp32 copy a rank. Native held-out
-eval (stages/eval.py, eval.engine 'native') loads the exported model whole on every rank, in the
-dtype it was saved in: bf16 for a bf16 SFT stage, fp32 otherwise.
+Native GRPO (stages/grpo): the actor's fp32 master weights, gradients and AdamW's two states
+(engines/ddp.py, engines/fsdp2.py), whole on every rank under DDP or sharded over the N ranks under
+FSDP2; the reference in the stage's dtype, likewise; the rollout's own whole copy in that dtype
+(grpo/rollout.py); under FSDP2 the weight sync gathers every unit at once in the compute dtype
+(fsdp2.gathered_parameters), a second whole copy for its duration. Native synthesis (stages/synth.py)
+loads one whole copy a rank in its dtype. Native held-out eval (stages/eval.py, eval.engine
+'native') loads the exported model whole on every rank, in the dtype it was saved in (the stage's).
+A stage's dtype 'auto' is bf16 here: plans are for CUDA GPUs (stages/engines/precision.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from core.config import GRPOStage, RunConfig, SFTStage, SynthStage, engine_of
 
 FP32 = 4
+BF16 = 2
 GiB = 2**30
 
 
@@ -38,24 +40,39 @@ def actor_bytes(g: GRPOStage, P: int, N: int, gradients: bool = True) -> float:
     return (16 if gradients else 12) * P / (1 if g.data_parallel == "ddp" else N)
 
 
+def held_width(stage: SFTStage | GRPOStage | SynthStage) -> int:
+    """Bytes a value of what the stage computes and holds besides master weights: its dtype, 'auto'
+    being bf16 on the CUDA GPUs a plan is for."""
+    return FP32 if stage.dtype == "fp32" else BF16
+
+
+def dtype_name(width: int) -> str:
+    return "fp32" if width == FP32 else "bf16"
+
+
 def grpo_residency(stage_id: str, g: GRPOStage, P: int, N: int) -> Residency:
     instead = f"set {stage_id}.engine=verl (vLLM rollout, sharded bf16 actor with offload)"
-    actor = actor_bytes(g, P, N)
-    if g.data_parallel == "ddp":  # actor 4+4+8, reference 4, rollout 4: all whole
-        formula = "24·P (ddp: fp32 actor, gradients, AdamW, reference, rollout)"
-        return Residency(stage_id, formula, actor + 8 * P, f"{stage_id}.engine", instead)
-    # actor 4+4+8 and reference 4 over N; the rollout's copy and the sync's gathered copy whole
-    formula = "20·P/N + 8·P (fsdp2: sharded actor and reference, whole rollout and sync)"
-    return Residency(stage_id, formula, actor + FP32 * P / N + 8 * P, f"{stage_id}.engine", instead)
+    actor, w = actor_bytes(g, P, N), held_width(g)
+    if g.data_parallel == "ddp":  # actor 4+4+8, reference and rollout w each: all whole
+        formula = f"{16 + 2 * w}·P (ddp: fp32 actor, gradients, AdamW; {dtype_name(w)} reference, rollout)"
+        return Residency(stage_id, formula, actor + 2 * w * P, f"{stage_id}.engine", instead)
+    # actor 4+4+8 and reference w over N; the rollout's copy and the sync's gathered copy whole, in w
+    formula = (
+        f"{16 + w}·P/N + {2 * w}·P (fsdp2: sharded fp32 actor and {dtype_name(w)} reference, "
+        f"whole {dtype_name(w)} rollout and sync)"
+    )
+    return Residency(stage_id, formula, actor + w * P / N + 2 * w * P, f"{stage_id}.engine", instead)
 
 
-def synth_residency(stage_id: str, P: int) -> Residency:
+def synth_residency(stage_id: str, st: SynthStage, P: int) -> Residency:
     instead = f"set {stage_id}.engine=verl (verl's generation server: vLLM replicas with tensor parallelism)"
-    return Residency(stage_id, "4·P (one whole fp32 copy a rank)", FP32 * P, stage_id, instead)
+    w = held_width(st)
+    return Residency(stage_id, f"{w}·P (one whole {dtype_name(w)} copy a rank)", w * P, stage_id, instead)
 
 
 def eval_residency(stage_id: str, stage: SFTStage | GRPOStage, P: int) -> Residency:
-    width, dtype = (2, "bf16") if isinstance(stage, SFTStage) and stage.dtype == "bf16" else (FP32, "fp32")
+    width = held_width(stage)
+    dtype = dtype_name(width)
     return Residency(
         stage_id,
         f"{width}·P (eval: the exported {dtype} model, whole on every rank)",
@@ -75,7 +92,7 @@ def native_residencies(cfg: RunConfig, P: int, stage_ids: list[str]) -> list[Res
         if isinstance(stage, GRPOStage):
             out.append(grpo_residency(sid, stage, P, cfg.nproc))
         if isinstance(stage, SynthStage):
-            out.append(synth_residency(sid, P))
+            out.append(synth_residency(sid, stage, P))
         elif cfg.eval.engine == "native":
             out.append(eval_residency(sid, stage, P))
     return out

@@ -39,9 +39,10 @@ logits of a 4 x 512-token micro-batch dominate. The cases:
   weights as FSDP1 gathers them, verl's default strategy: the embeddings with one layer, where
   apply_fsdp2 makes each embedding a unit of its own; a few MiB over here.)
 - grpo-micro1, -micro2, -micro4: our native GRPO actor (stages/grpo/actor.py, the default FSDP2
-  layout, fp32) updating one mini-batch of 4 rows a rank of the "vocab" model, 128 prompt and 128
+  layout) updating one mini-batch of 4 rows a rank of the "vocab" model, 128 prompt and 128
   response tokens, in micro-batches of 1, 2 and 4 rows; predicted by native_fit's actor states, the
   gathered unit and native_activations of one micro-batch: the peak grows with the micro-batch.
+  grpo-micro2-bf16: micro-batches of 2 in bf16 over fp32 master weights (the stage's dtype on GPUs).
 """
 
 from __future__ import annotations
@@ -119,7 +120,11 @@ CASES = {
     "fsdp2": Case("fsdp2", zero=3),
     "fsdp2-offload": Case("fsdp2", zero=3, offload=True),
     "fsdp2-logits": Case("fsdp2", zero=3, model="vocab", batch=4, seq=512),
-    **{f"grpo-micro{k}": Case("native", zero=3, model="vocab", batch=4, seq=256, micro=k) for k in (1, 2, 4)},
+    **{
+        f"grpo-micro{k}": Case("native", dtype="fp32", zero=3, model="vocab", batch=4, seq=256, micro=k)
+        for k in (1, 2, 4)
+    },
+    "grpo-micro2-bf16": Case("native", zero=3, model="vocab", batch=4, seq=256, micro=2),
 }
 
 
@@ -303,6 +308,7 @@ def native_stage(case: Case) -> GRPOStage:
         micro_batch_size=case.micro,
         max_new_tokens=case.seq // 2,
         kl_coef=0.0,
+        dtype=case.dtype,
     )
 
 

@@ -395,15 +395,18 @@ def verl(**settings) -> dict:
     return {"engine": "verl", "verl": VerlConfig(**settings)}
 
 
-def test_native_grpo_holds_native_fits_residency_and_gathers_by_reshard_setting():
+@pytest.mark.parametrize("dtype, w", [("auto", 2), ("bf16", 2), ("fp32", 4)])
+def test_native_grpo_holds_native_fits_residency_and_gathers_by_reshard_setting(dtype, w):
+    """fp32 master weights and states; the reference, rollout and sync copies in the stage's dtype,
+    'auto' being bf16 on the GPUs a plan is for; the gathered unit counted in bf16."""
     n = 8
     layout = Layout(gpus=n, tp=1, zero=3)
-    resharding, _ = grpo_terms(layout)
-    keeping, _ = grpo_terms(layout, reshard_after_forward=False)
-    whole, _ = grpo_terms(layout, fsdp_units="model")
-    ddp, _ = grpo_terms(Layout(gpus=n, tp=1, zero=0), data_parallel="ddp")
-    assert resharding["resident"] == 20 * P_8B / n + 8 * P_8B  # native_fit's fsdp2 formula
-    assert ddp["resident"] == 24 * P_8B and ddp["actor_gathered"] == 0
+    resharding, _ = grpo_terms(layout, dtype=dtype)
+    keeping, _ = grpo_terms(layout, reshard_after_forward=False, dtype=dtype)
+    whole, _ = grpo_terms(layout, fsdp_units="model", dtype=dtype)
+    ddp, _ = grpo_terms(Layout(gpus=n, tp=1, zero=0), data_parallel="ddp", dtype=dtype)
+    assert resharding["resident"] == (16 + w) * P_8B / n + 2 * w * P_8B  # native_fit's fsdp2 formula
+    assert ddp["resident"] == (16 + 2 * w) * P_8B and ddp["actor_gathered"] == 0
     assert keeping["actor_gathered"] == whole["actor_gathered"] == 2 * P_8B > resharding["actor_gathered"]
 
 

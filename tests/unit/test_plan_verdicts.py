@@ -232,11 +232,11 @@ def test_grpo_on_verl_megatron_with_param_offload_fits_with_that_caveat():
     assert verdict_of(option) == (CAVEAT, ("param offload",))
 
 
-# Native GRPO (FSDP2 over 4 ranks, layers resharded): native_fit's 20·P/N + 8·P, the gathered root
+# Native GRPO in fp32 (FSDP2 over 4 ranks, layers resharded): native_fit's 20·P/N + 8·P, the gathered root
 # unit, fp32 activations of 4 rows (16 prompts x 2 / 4 ranks / 2 mini-batches) of 8 + 64 tokens (the
 # logits of every position and three fp32 copies of the 64 response positions'), the fp32 KV cache
 # of the rank's 8 sequences; all at once. It has no offload: no offload tier.
-NATIVE_GRPO = GRPOStage(prompts_per_step=16, group_size=2, mini_batches=2, micro_batch_size=16)
+NATIVE_GRPO = GRPOStage(prompts_per_step=16, group_size=2, mini_batches=2, micro_batch_size=16, dtype="fp32")
 NATIVE_S = PROMPT + 64
 NATIVE_PEAK = (
     20 * P / GPUS
@@ -255,8 +255,8 @@ def test_native_grpo_tiers(share, verdict, caveats):
     assert verdict_of(option) == (verdict, caveats)
 
 
-# Native synthesis: one whole fp32 copy a rank and the fp32 KV cache of 2 x 4 sequences of 8 + 64.
-NATIVE_SYNTH = SynthStage(batch_size=2, samples_per_prompt=4, max_new_tokens=64)
+# Native synthesis in fp32: one whole fp32 copy a rank and the fp32 KV cache of 2 x 4 sequences of 8 + 64.
+NATIVE_SYNTH = SynthStage(batch_size=2, samples_per_prompt=4, max_new_tokens=64, dtype="fp32")
 SYNTH_PEAK = 4 * P + 2 * L * KV * NATIVE_S * 4 * 8
 
 
