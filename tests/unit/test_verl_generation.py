@@ -142,7 +142,7 @@ def test_the_70b_config_submits_with_ray_in_every_job_that_runs_verl(tmp_path, c
     "override, field, holds",
     [
         ("eval.engine=native", "eval.engine", "131.4 GiB"),  # the bf16 SFT model, whole
-        ("stage3_synth.engine=native", "stage3_synth", "262.8 GiB"),  # one fp32 copy a rank
+        ("stage3_synth.engine=native", "stage3_synth", "131.4 GiB"),  # one bf16 copy a rank (dtype auto)
     ],
 )
 def test_native_generation_of_70b_is_refused_before_anything_is_written(
