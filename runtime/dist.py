@@ -193,3 +193,12 @@ def claimed(items: list, key: str, store: dist.Store | None = None):
     store = store or dist.distributed_c10d._get_default_store()
     while (i := store.add(key, 1) - 1) < len(items):
         yield items[i]
+
+
+def from_rank0(compute):
+    """Rank 0's `compute()`, on every rank (a collective): one decision, or one view of a shared
+    file system, where each rank's own might differ."""
+    value = [compute() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(value, src=0)
+    return value[0]

@@ -34,7 +34,7 @@ from core.digests import (
     pieces_of,
     stat_of,
 )
-from runtime.dist import claimed
+from runtime.dist import claimed, from_rank0
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
@@ -95,7 +95,7 @@ class CheckpointDir:
         staging, final = self.staging(step), self.root / step_name(step)
         rank = _rank_world()[0]
         _barrier()  # every rank's files are written
-        stats = _from_rank0(lambda: file_stats(staging, skip=frozenset({CHECKSUMS})))
+        stats = from_rank0(lambda: file_stats(staging, skip=frozenset({CHECKSUMS})))
         sizes = {rel: size for rel, (size, _mtime) in stats.items()}
         mine = hash_pieces(staging, _claim(pieces_of(sizes, CHUNK_BYTES)), CHUNK_BYTES)
         moved = sorted(rel for rel, _offset, _length in mine if stat_of(staging / rel) != stats[rel])
@@ -143,7 +143,7 @@ class CheckpointDir:
         checksums.json without stats) are read again, the ranks sharing the pieces, and their stats
         recorded once they match. `trust_only`: such a file is a problem, nothing is read."""
         path = self.root / step_name(step)
-        now = _from_rank0(lambda: file_stats(path, skip=frozenset({CHECKSUMS})))
+        now = from_rank0(lambda: file_stats(path, skip=frozenset({CHECKSUMS})))
         try:
             record = read_record(path / CHECKSUMS)
         except (OSError, ValueError) as e:
@@ -279,7 +279,7 @@ def _existing(path: Path) -> Path:
 def agreed_resume_step(ckpts: CheckpointDir) -> int | None:
     """The newest checkpoint every rank agrees is valid: each checks its share of each candidate's
     files (and of the older ones retention will keep, so that it never needs to read them)."""
-    steps = _from_rank0(ckpts.sealed_steps)
+    steps = from_rank0(ckpts.sealed_steps)
     return ckpts.survey(steps, want=max(ckpts.keep, 1))[0]
 
 
@@ -302,14 +302,6 @@ def _claim(pieces: list):
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _from_rank0(compute):
-    """Rank 0's `compute()`, on every rank: one view of a shared file system's listing."""
-    value = [compute() if _rank_world()[0] == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(value, src=0)
-    return value[0]
 
 
 def _all(value) -> list:

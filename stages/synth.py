@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
-from runtime.dist import rank_device
+from runtime.dist import from_rank0, rank_device
 from runtime.phases import phase, take_phase_times
 from runtime.preemption import leave_if_requested, signalled
 from stages.data.examples import Example, read_examples, write_examples
@@ -175,12 +175,12 @@ def run(ctx: StageContext) -> None:
     model = load_replicated(model_dir, trainable=False, compute_dtype=compute_dtype(stage.dtype, device))
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
     num_batches = -(-len(prompts) // stage.batch_size)
-    # rank 0 decides what is left, so that every rank hands out the same batches
-    decided = [batch_records(ctx, model_dir) if ctx.is_main else None, None]
-    if ctx.is_main:
-        decided[1] = decided[0].left_to_sample(num_batches, ctx.log)
-    dist.broadcast_object_list(decided, src=0)
-    records, left = decided
+
+    def what_is_left():  # decided by rank 0, so that every rank hands out the same batches
+        records = batch_records(ctx, model_dir)
+        return records, records.left_to_sample(num_batches, ctx.log)
+
+    records, left = from_rank0(what_is_left)
 
     ctx.begin_step(1)
     started = time.perf_counter()

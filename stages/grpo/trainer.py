@@ -12,7 +12,7 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from runtime.context import StageContext
-from runtime.dist import rank_device
+from runtime.dist import from_rank0, rank_device
 from runtime.phases import phase
 from runtime.preemption import leave_if_requested
 from stages.data.examples import read_examples
@@ -179,8 +179,8 @@ def kept_pass_counts(ctx: StageContext, roles: Roles, prompts: list) -> list[int
     that came while sampling stops the stage once they are kept."""
     stage, run, rank = ctx.stage, ctx.run, dist.get_rank()
     path = run.prompt_selection(ctx.stage_id)
-    decided = [None, None]  # rank 0 decides, so that every rank samples or none does
-    if ctx.is_main:
+
+    def kept():  # decided by rank 0, so that every rank samples or none does
         init_dir = run.model_dir(stage.init_from)
         fingerprint = inputs_fingerprint(
             stage, ctx.cfg.seed, init_dir, run.task_file("prompts"), world_size=dist.get_world_size()
@@ -188,9 +188,9 @@ def kept_pass_counts(ctx: StageContext, roles: Roles, prompts: list) -> list[int
         counts, problem = load_record(path, fingerprint)
         if problem not in (None, MISSING):
             ctx.log.warning("the kept prompt selection %s is not used, %s: sampled again", path, problem)
-        decided = [fingerprint, counts]
-    dist.broadcast_object_list(decided, src=0)
-    fingerprint, counts = decided
+        return fingerprint, counts
+
+    fingerprint, counts = from_rank0(kept)
     if counts is not None:
         ctx.log.info("prompt selection's pass counts kept from an earlier attempt (%s)", path)
         return counts
