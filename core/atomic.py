@@ -44,14 +44,3 @@ def tree_checksums(root: str | Path) -> dict[str, str]:
     """sha256 of every file under root, keyed by its path relative to root."""
     root = Path(root)
     return {str(p.relative_to(root)): file_sha256(p) for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def files_fingerprint(root: str | Path) -> list:
-    """Path, size and modification time of every file: notices an edited or replaced model
-    without reading tens of GB on every run (the stage outputs are checksummed instead)."""
-    root = Path(root).resolve()
-    return [
-        [str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    ]

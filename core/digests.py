@@ -32,6 +32,12 @@ def file_stats(root: Path, skip: frozenset[str] = frozenset()) -> dict[str, list
     return stats
 
 
+def files_fingerprint(root: str | Path) -> list:
+    """Path, size and modification time of every file: notices an edited or replaced model
+    without reading tens of GB on every run (the stage outputs are checksummed instead)."""
+    return [[rel, *stat] for rel, stat in file_stats(Path(root).resolve()).items()]
+
+
 def stat_of(path: Path) -> list[int]:
     st = Path(path).stat()
     return [st.st_size, st.st_mtime_ns]

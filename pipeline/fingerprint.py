@@ -8,9 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from core.atomic import file_sha256, files_fingerprint
+from core.atomic import file_sha256
 from core.config import GRPOStage, RunConfig, SFTStage, SynthStage
-from core.digests import cached_tree_sha256
+from core.digests import cached_tree_sha256, files_fingerprint
 from core.rundir import RunDir
 
 

@@ -10,7 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from core.atomic import atomic_write_text, file_sha256, files_fingerprint
+from core.atomic import atomic_write_text, file_sha256
+from core.digests import files_fingerprint
 
 MISSING = "missing"
 
