@@ -5,15 +5,24 @@ locked vLLM, and the lock's header names the torch it pins. requirements-gpu-nod
 after it, without dependencies) has what verl's megatron backend imports: Megatron-Bridge, whose
 import-time needs the lock must meet, and the two source builds, whose every requirement it must.
 
-The test runs under .venv's CPython 3.11, so pip resolves for another interpreter: --python-version,
-manylinux platforms and --only-binary=:all:, with markers evaluated for 3.12 (pip evaluates them
-for the Python running it; PIP below says how). The lock's two sdist-only pins are built into
-pure-Python wheels first. pip reads metadata only (PEP 658 files, else HTTP range requests into the
-wheel); the test fails if it downloads a wheel whole. About three minutes, most of it waiting on PyPI.
+Resolving takes about three minutes, most of it waiting on PyPI, so the test checks a recorded
+resolution (fixtures/gpu_lock_resolution.json: what pip resolved and the metadata the checks read)
+offline, after checking that the record is of today's locks and resolution code (a digest of them).
+Any change to either fails the test until `python -m tests.unit.test_gpu_lock --record` has resolved
+live again, run every check on the live answer, and rewritten the record.
+
+The live resolution runs under .venv's CPython 3.11, so pip resolves for another interpreter:
+--python-version, manylinux platforms and --only-binary=:all:, with markers evaluated for 3.12 (pip
+evaluates them for the Python running it; PIP below says how). The lock's two sdist-only pins are
+built into pure-Python wheels first. pip reads metadata only (PEP 658 files, else HTTP range requests
+into the wheel); recording fails if it downloads a wheel whole.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import inspect
 import io
 import json
 import os
@@ -23,23 +32,26 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 import tomllib
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime
 from email.parser import HeaderParser
+from importlib.metadata import version as installed_version
 from pathlib import Path
+from urllib.parse import urlparse
 
-import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_sdist_filename
 from packaging.version import Version
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements-gpu.lock"
 NODEPS = REPO / "requirements-gpu-nodeps.lock"
+RECORD = Path(__file__).parent / "fixtures" / "gpu_lock_resolution.json"
+RECORD_COMMAND = "python -m tests.unit.test_gpu_lock --record"
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple")
 # Anything bigger fetched whole means pip downloaded a wheel instead of reading its metadata.
 MAX_WHOLE_FILE_BYTES = 20 * 2**20
@@ -65,6 +77,8 @@ sys.exit(main())
 """
 # Pins PyPI has as sdists only; pip wheel builds them (with this Python: both are pure Python).
 SDIST_ONLY = ("deepspeed", "antlr4-python3-runtime")
+# Pins PyPI has as sources that build against CUDA: their requirements are read from their PKG-INFO.
+SOURCE_BUILDS = ("transformer-engine-torch", "flash-attn")
 
 # What the modules verl 0.9.1 imports from Megatron-Bridge (megatron.bridge, its training.config,
 # training.checkpointing, training.utils.{train,config}_utils, peft.utils, models.gpt_provider and
@@ -121,6 +135,25 @@ def version(req: Requirement) -> Version:
     return Version(next(iter(req.specifier)).version)
 
 
+def test_the_gpu_locks_resolve_to_themselves_and_meet_verls_megatron_backend():
+    record = json.loads(RECORD.read_text())
+    assert record["inputs_sha256"] == inputs_digest(), (
+        f"{RECORD.name} is a resolution of other locks or resolution code: re-resolve with `{RECORD_COMMAND}`"
+    )
+    check_resolution(record)
+
+
+def check_resolution(record: dict) -> None:
+    """Every check, on a resolution: live (recording) or recorded (the test)."""
+    pins, nodeps = pins_of(LOCK), pins_of(NODEPS)
+    assert not set(pins) & set(nodeps), f"in both locks: {sorted(set(pins) & set(nodeps))}"
+    want, resolved, env = check_the_lock(pins, record)
+    check_verls_megatron_backend(want, resolved, env, nodeps, record)
+
+
+# --- the live resolution (`--record`) ------------------------------------------------------------
+
+
 def pypi_reachable() -> str | None:
     """None if the index answers, else why not."""
     try:
@@ -162,7 +195,7 @@ def resolve(tmp: str, requirements: Path, *args: str) -> dict:
     return json.loads(report.read_text())
 
 
-def sdist_requirements(name: str, pinned: Version) -> list[Requirement]:
+def sdist_requirements(name: str, pinned: Version) -> list[str]:
     """Requires-Dist of `name`'s sdist on the index, read from its PKG-INFO (static since metadata
     2.2): building it needs torch and CUDA."""
     request = urllib.request.Request(
@@ -181,16 +214,17 @@ def sdist_requirements(name: str, pinned: Version) -> list[Requirement]:
     top = sdist["filename"].removesuffix(".tar.gz")
     info = HeaderParser().parsestr(archive.extractfile(f"{top}/PKG-INFO").read().decode())
     assert "Requires-Dist" not in (info.get_all("Dynamic") or []), f"{top}: its requirements are dynamic"
-    return [Requirement(r) for r in info.get_all("Requires-Dist") or []]
+    return info.get_all("Requires-Dist") or []
 
 
-def test_the_gpu_locks_resolve_to_themselves_and_meet_verls_megatron_backend():
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        pytest.skip("pip builds deepspeed's and antlr4's wheels here: they must be the Linux ones")
+def live_resolution() -> dict:
+    """Resolve both locks against the index now; the record the test reads."""
+    assert sys.platform == "linux" and platform.machine() == "x86_64", (
+        "pip builds deepspeed's and antlr4's wheels here: they must be the Linux ones"
+    )
     pins, nodeps = pins_of(LOCK), pins_of(NODEPS)
-    assert not set(pins) & set(nodeps), f"in both locks: {sorted(set(pins) & set(nodeps))}"
     if why := pypi_reachable():
-        pytest.skip(why)
+        sys.exit(why)
     with tempfile.TemporaryDirectory(prefix="gpu-lock-") as tmp:
         built = Path(tmp, "wheels")
         sdists = [str(pins[name]) for name in SDIST_ONLY]
@@ -201,14 +235,33 @@ def test_the_gpu_locks_resolve_to_themselves_and_meet_verls_megatron_backend():
         report = resolve(tmp, LOCK, "--find-links", str(built))
         # Megatron-Bridge alone, without its dependencies, as `make setup-gpu` installs it.
         Path(tmp, "bridge.txt").write_text(f"{nodeps['megatron-bridge']}\n")
-        bridge = resolve(tmp, Path(tmp, "bridge.txt"), "--no-deps")["install"]
+        (bridge,) = resolve(tmp, Path(tmp, "bridge.txt"), "--no-deps")["install"]
         # pip fetched index pages, two small sdists to build wheels of, setuptools for that build,
         # and pieces of wheels: nothing big whole. urllib3 logs each response; without those lines
         # this check would prove nothing. (The source builds' sdists come below, through urllib.)
-        log = Path(tmp, "pip.log").read_text()
-    check_nothing_big_downloaded_whole(log)
-    want, resolved, env = check_the_lock(pins, report)
-    check_verls_megatron_backend(want, resolved, env, nodeps, bridge)
+        check_nothing_big_downloaded_whole(Path(tmp, "pip.log").read_text())
+    return {
+        "inputs_sha256": inputs_digest(),
+        "resolved": {
+            "at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "index": INDEX,
+            "pip": installed_version("pip"),
+        },
+        "environment": report["environment"],
+        "install": [what_the_checks_read(item) for item in report["install"]],
+        "megatron_bridge": what_the_checks_read(bridge),
+        "source_builds": {name: sdist_requirements(name, version(nodeps[name])) for name in SOURCE_BUILDS},
+    }
+
+
+def what_the_checks_read(item: dict) -> dict:
+    """One package of pip's report, cut to what the checks read, and the file pip chose."""
+    meta = item["metadata"]
+    return {
+        "metadata": {key: meta[key] for key in ("name", "version", "requires_dist") if key in meta},
+        "requested_extras": item.get("requested_extras") or [],
+        "file": Path(urlparse(item["download_info"]["url"]).path).name,
+    }
 
 
 def check_nothing_big_downloaded_whole(log: str) -> None:
@@ -220,6 +273,21 @@ def check_nothing_big_downloaded_whole(log: str) -> None:
         if status == "200" and size != "None" and int(size) > MAX_WHOLE_FILE_BYTES and "/simple/" not in path
     ]
     assert not whole, f"pip downloaded these whole instead of reading their metadata: {whole}"
+
+
+def inputs_digest() -> str:
+    """What a resolution depends on: the two locks, the interpreter and platforms it is for, and the
+    code that resolves, as syntax trees (its layout and comments do not count); not the index."""
+    code = (pip, resolve, sdist_requirements, live_resolution, what_the_checks_read)
+    inputs = {
+        "locks": [LOCK.read_text(), NODEPS.read_text()],
+        "target": [PYTHON, PLATFORMS, PIP, SDIST_ONLY, SOURCE_BUILDS],
+        "code": [ast.dump(ast.parse(textwrap.dedent(inspect.getsource(f)))) for f in code],
+    }
+    return hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
+
+
+# --- the checks ----------------------------------------------------------------------------------
 
 
 def applying(reqs: list[Requirement], env: dict, extras: set[str]) -> list[Requirement]:
@@ -290,13 +358,13 @@ def check_the_lock(pins: dict[str, Requirement], report: dict):
     return want, resolved, env
 
 
-def check_verls_megatron_backend(want, resolved, env, nodeps: dict[str, Requirement], bridge: list) -> None:
+def check_verls_megatron_backend(want, resolved, env, nodeps: dict[str, Requirement], record: dict) -> None:
     """What verl's megatron backend imports is installed: Megatron-Bridge at the nodeps lock's
     version, what its modules import at load time pinned at versions it declares (or excused in
     DECLARED_NOT_MET), and the source builds with every requirement pinned."""
     every = {**want, **{name: version(req) for name, req in nodeps.items()}}
     # Megatron-Bridge: pip found the pinned wheel for CPython 3.12 (it requires >=3.12,<3.13).
-    (wheel,) = bridge
+    wheel = record["megatron_bridge"]
     assert canonicalize_name(wheel["metadata"]["name"]) == "megatron-bridge"
     assert Version(wheel["metadata"]["version"]) == every["megatron-bridge"]
     declared = applying([Requirement(r) for r in wheel["metadata"]["requires_dist"]], env, {"", "te"})
@@ -325,11 +393,21 @@ def check_verls_megatron_backend(want, resolved, env, nodeps: dict[str, Requirem
 
     # The source builds: every requirement pinned, at a version it accepts (transformer-engine-torch
     # pins its core wheel, so the two Transformer Engine versions agree).
-    for name in ("transformer-engine-torch", "flash-attn"):
-        for req in applying(sdist_requirements(name, every[name]), env, {""}):
+    assert set(record["source_builds"]) == set(SOURCE_BUILDS) <= set(nodeps)
+    for name, requires in record["source_builds"].items():
+        for req in applying([Requirement(r) for r in requires], env, {""}):
             dep = canonicalize_name(req.name)
             assert dep in want, f"{name} needs {req}, which requirements-gpu.lock lacks"
             assert req.specifier.contains(want[dep], prereleases=True), (
                 f"{name} needs {req}, lock: {want[dep]}"
             )
     assert every["transformer-engine"] == every["transformer-engine-torch"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit(f"usage: {RECORD_COMMAND}  (resolves both locks against {INDEX} and rewrites {RECORD})")
+    live = live_resolution()
+    check_resolution(live)  # a record is written only of a resolution that passes every check
+    RECORD.write_text(json.dumps(live, indent=1, sort_keys=True) + "\n")
+    print(f"{RECORD}: {len(live['install'])} packages, inputs {live['inputs_sha256'][:12]}")
