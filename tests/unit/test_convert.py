@@ -3,8 +3,6 @@ Hugging Face's on the same weights (an independent implementation of the same Ll
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -173,8 +171,10 @@ def single_rank_megatron():
 
     created = not dist.is_initialized()
     if created:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        with pytest.MonkeyPatch.context() as env:  # read at init only: later tests must not see it
+            env.setenv("MASTER_ADDR", "127.0.0.1")
+            env.setenv("MASTER_PORT", str(free_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
     apply_cpu_shim()
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -5,8 +5,6 @@ device, and an fp32 stage is what it was."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,11 +23,12 @@ from tests.conftest import free_port
 
 
 @pytest.fixture
-def one_rank(tmp_path):
+def one_rank(tmp_path, monkeypatch):
     build_tiny_llama(
         tmp_path, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64
     )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield tmp_path
     dist.destroy_process_group()

@@ -5,7 +5,6 @@ What the formula counts is checked against the bytes the native GRPO roles reall
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -53,7 +52,7 @@ def test_the_shipped_8b_config_passes(tmp_path, data_files, capsys):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_ddp_formula_counts_what_the_native_roles_hold(tmp_path, dtype):
+def test_the_ddp_formula_counts_what_the_native_roles_hold(tmp_path, monkeypatch, dtype):
     """Actor (weights, gradients, AdamW after a step), reference and rollout, loaded by the native
     engine's own loaders on one gloo rank in the stage's dtype: their tensors' bytes are the
     formula's (24·P in fp32, 20·P in bf16 over fp32 master weights)."""
@@ -62,7 +61,8 @@ def test_the_ddp_formula_counts_what_the_native_roles_hold(tmp_path, dtype):
     build_tiny_llama(
         tmp_path, vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=64
     )
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         actor = load_replicated(tmp_path, trainable=True, compute_dtype=DTYPES[dtype])

@@ -5,7 +5,6 @@ On a GPU whatever is still referenced stays resident beside the model eval loads
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 
 import pytest
@@ -18,7 +17,7 @@ from tests.conftest import free_port
 
 
 @pytest.fixture
-def one_rank(tmp_path):
+def one_rank(tmp_path, monkeypatch):
     tokenizer = build_char_tokenizer(tmp_path)
     build_tiny_llama(
         tmp_path,
@@ -31,9 +30,11 @@ def one_rank(tmp_path):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    os.environ.update(
+    # A torchrun's environment for this test alone: later tests and their subprocesses must not see one.
+    for name, value in dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    )
+    ).items():
+        monkeypatch.setenv(name, value)
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield tmp_path, tokenizer
     dist.destroy_process_group()
