@@ -105,5 +105,6 @@ test-verl: lint system-packages
 	slurm/local/start.sh
 	$(PY) -m pytest -q -m verl_chain $(PYTEST_ARGS)
 
-test-quick: setup
+# The quick subset. Its tests need shellcheck, Chromium, Open MPI and scontrol: they fail, not skip, without them.
+test-quick: setup system-packages
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)

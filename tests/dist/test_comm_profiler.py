@@ -18,6 +18,7 @@ from analysis.breakdown import summarise_stage
 from analysis.events import load_events, read_jsonl
 from runtime.mpi_profiler import pickled_size
 from tests.conftest import REPO, SMALL_RUN, hpcr1_run, run_torchrun
+from tests.support.system_packages import system_command
 
 pytestmark = pytest.mark.dist
 WORKERS = Path(__file__).parent / "workers"
@@ -139,9 +140,8 @@ def test_straggler_is_named_and_the_other_rank_carries_the_wait(tmp_path):
     assert ranks[0][2] >= 3 * 0.3 * 0.8 and ranks[1][2] < 0.05
 
 
-@pytest.mark.skipif(not Path("/usr/bin/mpirun").exists(), reason="Open MPI not installed")
 def test_mpi_calls_are_recorded_with_their_sizes(tmp_path):
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+    cmd = [system_command("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
            str(WORKERS / "comm_mpi.py"), str(tmp_path / "stage" / "profile")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})

@@ -19,7 +19,6 @@ from tests.conftest import SMALL_RUN, hpcr1_run, markdown_table
 
 pytestmark = [
     pytest.mark.dist,
-    pytest.mark.skipif(not Path("/usr/bin/mpirun").exists(), reason="Open MPI not installed"),
 ]
 # SMALL_RUN's SFT stage cut to 4 steps and a 4-example evaluation: the test is about the launch.
 TINY = copy.deepcopy(SMALL_RUN)

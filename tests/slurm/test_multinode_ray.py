@@ -18,7 +18,7 @@ from launch.sbatch import render_verl_script
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("ray")
+import ray  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 PROBE = """
 import os, socket, subprocess, sys, time

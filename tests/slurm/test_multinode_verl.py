@@ -16,7 +16,7 @@ from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
 from tests.slurm.test_slurm_verl import verl_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.verl_chain]
-pytest.importorskip("verl")
+import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 
 def test_a_verl_grpo_stage_spans_both_nodes(multinode_env, tmp_path):

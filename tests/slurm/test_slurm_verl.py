@@ -23,7 +23,7 @@ from tests.conftest import REPO
 from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, manifest, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("verl")
+import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 # verl on the local profile's 2 ranks: one rollout replica a rank, micro-batches a rank can hold.
 VERL = [

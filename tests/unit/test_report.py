@@ -15,6 +15,7 @@ import pytest
 from analysis.report import write_report
 from analysis.tables import elapsed, rate
 from tests.conftest import markdown_table, markdown_tables, seconds
+from tests.support.system_packages import system_command
 
 RANKS = (0, 1)
 
@@ -170,14 +171,10 @@ def test_the_late_rank_is_named_slowest_and_the_other_carries_the_wait(report):
     assert rows["0"][2] == "360.0 ms" and rows["1"][2] == "0"
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt-get install -y chromium)")
 def test_html_renders_in_headless_chromium_with_every_figure_and_no_console_error(report, tmp_path):
     shot = tmp_path / "shot.png"
     base = [
-        CHROMIUM,
+        system_command("chromium", "chromium-browser"),
         "--headless",
         "--no-sandbox",
         "--disable-gpu",

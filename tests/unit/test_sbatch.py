@@ -17,6 +17,7 @@ from core.cluster import load_profile
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import run_stage_in_allocation, srun_command
 from launch.verl_job import run_then_eval_on_verl
+from tests.support.system_packages import system_command
 
 PWNED = Path("/tmp/pwned")
 
@@ -59,13 +60,14 @@ def test_generic_script_uses_one_task_per_gpu(nodes, tmp_path):
     assert not any(x.startswith("--constraint") for x in d)
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is installed by make test")
 @pytest.mark.parametrize("profile", ["perlmutter", "perlmutter-80g", "generic", "local"])
 @pytest.mark.parametrize("nodes", [1, 2, 32])
 def test_rendered_scripts_pass_shellcheck(profile, nodes, tmp_path):
     script = tmp_path / "stage.sbatch"
     script.write_text(render_stage_script(load_profile(profile), tmp_path / "run dir", "stage1_sft", nodes))
-    out = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True)
+    out = subprocess.run(
+        [system_command("shellcheck"), "-s", "bash", str(script)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout
 
 

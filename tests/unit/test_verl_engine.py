@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from stages.engines.verl_io import (
 from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
 from stages.rewards.math_reward import score
 from tests.conftest import REPO
+from tests.support.system_packages import system_command
 
 CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
 SHAPE_70B = "model.path=models/llama-3.3-70b"  # config.json only: enough for every check here
@@ -279,9 +279,8 @@ def test_dry_run_submit_renders_the_verl_script_and_it_passes_shellcheck(tmp_pat
     )
     assert "-m launch.ray_cluster" in verl_script and "-m pipeline.cli stage" in verl_script
     assert "ray.scripts.scripts" not in native_script
-    if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is installed by make test")
-    out = subprocess.run(["shellcheck", "-s", "bash", "-"], input=verl_script, capture_output=True, text=True)
+    shellcheck = system_command("shellcheck")
+    out = subprocess.run([shellcheck, "-s", "bash", "-"], input=verl_script, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
 
 
