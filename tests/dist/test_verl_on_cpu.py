@@ -27,7 +27,7 @@ from pipeline.driver import check_run, write_run
 from tests.conftest import REPO
 from tests.ray_head import ray_head_apart
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.dist]
 import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 GPUS = 2  # Ray's fake GPUs: the ranks of the CPU platform

@@ -10,7 +10,7 @@ import pytest
 
 from tests.slurm.multinode import start_multinode, stop_multinode
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def srun(env, *cmd: str) -> list[str]:
@@ -40,6 +40,7 @@ def test_pmix_steps_span_the_nodes(multinode_env):
     assert lines == ["mnode1 0", "mnode2 1"]
 
 
+@pytest.mark.dist
 def test_mpi_rendezvous_across_nodes_finds_rank_world_and_master(multinode_env):
     """srun --mpi=pmix with no MASTER_ADDR: rank 0's host name, resolved on its node, is the master."""
     env = {k: v for k, v in multinode_env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
