@@ -110,9 +110,16 @@ def test_a_rollout_that_does_not_tile_the_nodes_is_refused_naming_the_field(tmp_
 def test_a_rollout_spanning_whole_nodes_is_accepted(tmp_path):
     """verl's RolloutReplica takes a tensor-parallel size that is a multiple of a node's GPUs: two
     4-GPU nodes hold a 70B vLLM instance that one 40 GB node cannot."""
+    # Ours; its layout is verl's abstract RolloutReplica's, as vLLM's replica class inherits it.
+    from stages.engines.verl_hf_rollout import HFReplica
+
     for sid in ("stage3_synth", "stage1_sft"):
         section = "eval" if sid == "stage1_sft" else sid
-        check_verl_job(config_70b(f"{section}.verl.rollout_tp=8"), RunDir(tmp_path), sid, 32, 4)
+        cfg, run = config_70b(f"{section}.verl.rollout_tp=8"), RunDir(tmp_path)
+        check_verl_job(cfg, run, sid, 32, 4)  # raises no ConfigError
+        # verl lays the accepted rollout out as one instance over two whole nodes
+        replica = HFReplica(0, composed(cfg, sid, run).actor_rollout_ref.rollout, None, gpus_per_node=4)
+        assert (replica.world_size, replica.gpus_per_replica_node, replica.nnodes) == (8, 4, 2)
 
 
 def test_a_cluster_without_gpus_is_refused_for_verl_generation(tmp_path):
