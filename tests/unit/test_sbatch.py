@@ -80,13 +80,20 @@ def test_srun_line_launches_one_worker_per_task(tmp_path):
     ]
 
 
+@pytest.fixture
+def scontrol_without_slurmctld(tmp_path, monkeypatch):
+    """The real scontrol, which expands a node list (first_host) from a slurm.conf alone."""
+    system_command("scontrol")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=unit\nSlurmctldHost=localhost\nNodeName=nid[001-002] CPUs=1\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+
+
+@pytest.mark.usefixtures("scontrol_without_slurmctld")
 def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "nid[001-002]")
-    monkeypatch.setattr(
-        "launch.slurm_launch.first_host", lambda nodelist: "nid001"
-    )  # scontrol needs slurmctld
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURMD_NODENAME", "nid001")
     cmd = srun_command(tmp_path, "stage1_sft", "torchrun")
@@ -96,6 +103,7 @@ def test_torchrun_line_goes_through_the_wrapper_that_carries_usr1(tmp_path, monk
     assert cmd[-3:] == ["launch.worker", str(tmp_path), "stage1_sft"]
 
 
+@pytest.mark.usefixtures("scontrol_without_slurmctld")
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 def test_the_ranks_step_overlaps_rays_only_in_a_job_that_hosts_ray(tmp_path, monkeypatch, launcher):
     """A stage on our engines whose held-out eval runs on verl trains beside Ray's steps, which hold
@@ -108,7 +116,7 @@ def test_the_ranks_step_overlaps_rays_only_in_a_job_that_hosts_ray(tmp_path, mon
         "SLURM_NTASKS_PER_NODE": "4(x2)",
     }.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr("launch.slurm_launch.first_host", lambda nodelist: "nid001")  # needs slurmctld
+    # sinfo asks slurmctld; the step, srun: both are the running Slurm's (tests/slurm run them)
     monkeypatch.setattr("launch.slurm_launch.lost_nodes", lambda nodelist: {})
     steps = []
     # The ranks' step "fails": the stage stops before verl's generation server.

@@ -1,7 +1,13 @@
 """The Slurm commands as a user meets them, against fake Slurm clients on PATH that record what they
 were called with: the profile's SLURM_CONF reaches sbatch, squeue, sacct and scancel; `submit` takes
 --only and --from, and calls an unknown option one; `status` says when a queued stage waits on one
-that failed, and `resume --cluster` resubmits from the failed one."""
+that failed, and `resume --cluster` resubmits from the failed one.
+
+Fakes, not a Slurm: a unit test starts no service, and a real one shows a lost batch host, a node not
+answering yet or a TIMEOUT only after minutes. The real clients run in tests/slurm: submit, status,
+cancel, resume and a failed stage's dependants in test_slurm_pipeline.py, the profile's SLURM_CONF
+alone (no SLURM_CONF in the environment) in test_multinode_verl.py, lost nodes failing the stage in
+test_multinode_faults.py."""
 
 from __future__ import annotations
 

@@ -431,7 +431,9 @@ def test_a_megatron_layout_that_does_not_divide_the_gpus_names_megatron_tp(tmp_p
 @pytest.fixture
 def verl_stage_run(tmp_path, monkeypatch):
     """A prepared run with a verl GRPO stage from the base model; `_run_verl` and the hand-over
-    stubbed: what the job would start is recorded (args, env)."""
+    stubbed: what the job would start is recorded (args, env). Running it takes a Ray cluster and
+    verl's trainer: tests/dist/test_verl_on_cpu.py (logger and wandb reach the actors) and
+    tests/slurm/test_slurm_verl.py (whole stages) do."""
     from launch import verl_job
     from pipeline.driver import check_run, write_run
 
