@@ -4,8 +4,9 @@ runs the batch script, the stage driver), or node 2's slurmd killed: every rank 
 within FAULT_BOUND_S (Slurm's SlurmdTimeout ends the srun step, the profile's collective_timeout_s
 the rank cut off behind the dead link), the stage is marked failed with the node named in `hpcr1
 status`, and once the node is back `hpcr1 resume` resumes the stage from its last checkpoint. A
-preemption (USR1, then the requeue) resumes the same way. One stage suffers them all in turn and
-ends with final weights byte-identical to an uninterrupted run.
+preemption (USR1, then the requeue, held by Slurm as `hpcr1 status` shows) resumes the same way, at
+the step it stopped at. One stage suffers them all in turn and ends with final weights
+byte-identical to an uninterrupted run.
 
 Each fault comes at a known point, not after many steps: a cut link stops the stage's collectives at
 once; a killed slurmd would leave the ranks training until Slurm sets the node DOWN (~20 s, 200+
@@ -14,6 +15,7 @@ steps), so they are frozen (SIGSTOP) from the kill until then."""
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -152,9 +154,16 @@ def lose_node(fault, node: int, frozen_until_down: bool = False):
 
 
 def preempt(env, run: Path, attempt: int) -> None:
-    """USR1 to the batch script, as Slurm sends before the time limit: the stage requeues itself."""
+    """USR1 to the batch script, as Slurm sends before the time limit: the stage requeues itself,
+    and Slurm holds the requeued job (cred_expire + 1 s: 16 s on this cluster), as status shows."""
     job = manifest(run)["stage1_sft"]["job_id"]
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+    wait_for(
+        lambda: "PENDING (BeginTime)" in hpcr1(env, "status", str(run)).stdout,
+        "status to show the requeued job's hold",
+        timeout=120,
+        explain=lambda: job_story(env, run, "stage1_sft"),
+    )
 
 
 # (step, fault): each fault once the current attempt has trained past `step`, 5 steps after a
@@ -195,4 +204,8 @@ def test_every_fault_in_turn_and_the_stage_still_ends_byte_identical(env, refere
     checkpoints = [step - step % CHECKPOINT_EVERY for step, _ in SCENARIO]
     resumed = resumed_from(run)
     assert len(resumed) == len(SCENARIO) and all(r >= c for r, c in zip(resumed, checkpoints)), resumed
+    # The preempted attempt (the second) stopped at a step of its own, and the next began there.
+    log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
+    stopped = [int(step) for step in re.findall(r"stopping at step (\d+) on request", log)]
+    assert stopped == [resumed[1]], (stopped, resumed)
     same_weights(env, run, reference)

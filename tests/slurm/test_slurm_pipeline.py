@@ -1,6 +1,7 @@
-"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, USR1
-checkpoint-and-requeue (and the exit code srun reports for ranks leaving for it), and a failed stage
-ending its dependants — with `hpcr1 status` saying so."""
+"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, the exit
+code srun reports for ranks leaving for a USR1 requeue, and a failed stage ending its dependants —
+with `hpcr1 status` saying so. The USR1 requeue itself runs in the multi-node fault scenario
+(test_multinode_faults: its preempt step)."""
 
 from __future__ import annotations
 
@@ -179,44 +180,6 @@ def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_
 
 def checkpoint_steps(ckpts: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in ckpts.glob("step-*") if p.is_dir()]
-
-
-def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
-    # 200 steps (~50 s here) leave the signal, sent at step 3, ample time to land before the end.
-    config = {
-        **SMALL_RUN,
-        "name": "usr1",
-        "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 200, "checkpoint_every": 1000},
-    }
-    run = submit(slurm_env, tmp_path, config)
-    job = manifest(run)["stage1_sft"]["job_id"]
-    metrics = run / "stage1_sft" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "training to start")
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
-    # Slurm holds the requeued job for cred_expire + 1 s (31 s on the local cluster), and status says so.
-    wait_for(
-        lambda: "PENDING (BeginTime)" in hpcr1(slurm_env, "status", str(run)).stdout,
-        "status to show the requeued job's hold",
-        timeout=120,
-        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
-    )
-    wait_for(
-        lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"),
-        "the requeued job to end",
-        timeout=600,
-        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
-    )
-    entry = manifest(run)["stage1_sft"]
-    assert entry["state"] == "done", job_story(slurm_env, run, "stage1_sft")
-    assert entry["preempted"] == 1 and entry["attempts"] == 2
-    log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
-    stopped = [
-        int(line.split("stopping at step ")[1].split()[0])
-        for line in log.splitlines()
-        if "stopping at step" in line
-    ]
-    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
-    assert stopped and resumed == stopped, (stopped, resumed)
 
 
 def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with_75(slurm_env, tmp_path):
