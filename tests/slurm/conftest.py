@@ -1,6 +1,7 @@
 """Fixtures of the Slurm tests: the multi-node local cluster, started once for the session (the
 modules that use it share it: a start and a stop cost ~20 s) and always stopped after it
-(namespaces, veths and bridge deleted)."""
+(namespaces, veths and bridge deleted). How long its start took is a test's to judge
+(test_multinode_cluster), not the fixture's: a slow start fails that test, not every module."""
 
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ import subprocess
 import pytest
 
 from tests.conftest import REPO, hpcr1_env
-from tests.slurm.multinode import START_BUDGET_S, start_multinode, stop_multinode
+from tests.slurm.multinode import start_multinode, stop_multinode
 
 
 @pytest.fixture(scope="session")
 def multinode_cluster():
+    """The clients' environment and the seconds the session's (cold) start took."""
     try:
-        env, took = start_multinode(2)
-        assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
-        yield env
+        yield start_multinode(2)
     finally:
         stop_multinode()
 
@@ -26,8 +26,7 @@ def multinode_cluster():
 def multinode_env(multinode_cluster):
     """The session's cluster, up again where a module before stopped it (test_multinode_cluster's
     stop test does); a start of a running cluster only checks it."""
-    env, took = start_multinode(2)
-    assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
+    env, _ = start_multinode(2)
     return env
 
 

@@ -3,6 +3,8 @@ fixture that does both for a module is `multinode_env` (tests/slurm/conftest.py)
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -70,3 +72,35 @@ def bring_back(node: int, nodes: int = 2) -> None:
     and resumes the nodes Slurm set down)."""
     subprocess.run(["ip", "link", "set", f"hpcr1v{node}", "up"], check=True)
     start_multinode(nodes)
+
+
+def freeze(pids: list[int]) -> list[int]:
+    """The processes stopped (SIGSTOP) where they are; see thaw."""
+    for pid in pids:
+        signal_if_alive(pid, signal.SIGSTOP)
+    return pids
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        signal_if_alive(pid, signal.SIGCONT)
+
+
+def signal_if_alive(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it ended meanwhile
+        pass
+
+
+def node_state(node: int) -> str:
+    """Slurm's state of node `node` ("idle", "allocated", "down*", ...), lower case; the
+    multi-node cluster's config, whatever SLURM_CONF says."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-n", f"mnode{node}", "-o", "%T"],
+        env={**os.environ, "SLURM_CONF": str(MN_DIR / "etc" / "slurm.conf")},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip().lower()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.slurm.multinode import start_multinode, stop_multinode
+from tests.slurm.multinode import START_BUDGET_S, start_multinode, stop_multinode
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -19,6 +19,12 @@ def srun(env, *cmd: str) -> list[str]:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     return sorted(out.stdout.splitlines())
+
+
+def test_the_cluster_starts_within_its_budget(multinode_cluster):
+    """The session's cold start (the fixture's): every module using the cluster pays for one."""
+    _, took = multinode_cluster
+    assert took < START_BUDGET_S, f"the 2-node cluster took {took:.1f} s to start"
 
 
 def test_a_step_runs_on_two_nodes_with_their_own_names_and_addresses(multinode_env):

@@ -4,12 +4,18 @@ runs the batch script, the stage driver), or node 2's slurmd killed: every rank 
 within FAULT_BOUND_S (Slurm's SlurmdTimeout ends the srun step, the profile's collective_timeout_s
 the rank cut off behind the dead link), the stage is marked failed with the node named in `hpcr1
 status`, and once the node is back `hpcr1 resume` resumes the stage from its last checkpoint. A
-preemption (USR1, then the requeue) resumes the same way. One stage suffers them all in turn and
-ends with final weights byte-identical to an uninterrupted run."""
+preemption (USR1, then the requeue, held by Slurm as `hpcr1 status` shows) resumes the same way, at
+the step it stopped at. One stage suffers them all in turn and ends with final weights
+byte-identical to an uninterrupted run.
+
+Each fault comes at a known point, not after many steps: a cut link stops the stage's collectives at
+once; a killed slurmd would leave the ranks training until Slurm sets the node DOWN (~20 s, 200+
+steps), so they are frozen (SIGSTOP) from the kill until then."""
 
 from __future__ import annotations
 
 import functools
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -18,18 +24,19 @@ import pytest
 import yaml
 
 from tests.conftest import SMALL_RUN
-from tests.slurm.multinode import bring_back, cut_link, kill_slurmd, workers_on
+from tests.slurm.multinode import bring_back, cut_link, freeze, kill_slurmd, node_state, thaw, workers_on
 from tests.slurm.test_multinode_pipeline import one_node_profile, weight_difference
 from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-CHECKPOINT_EVERY = 25
-# ~11 steps a second at most: after the last fault (SCENARIO, at step 180) the stage must outlast its
-# detection (a killed slurmd leaves the ranks training until Slurm sets the node DOWN, ~20 s) by a margin.
+CHECKPOINT_EVERY = 10
+# After the last fault (SCENARIO, at step 75) the stage must only outlast the time from the wait's
+# poll seeing the step to the fault (0.5 s, ~6 steps at the ~11 steps a second of a quiet machine):
+# 45 steps are left, and no fault lets the ranks train on while it is detected.
 FAULTS = {
     **SMALL_RUN,
     "name": "faults",
-    "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 440, "checkpoint_every": CHECKPOINT_EVERY},
+    "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 120, "checkpoint_every": CHECKPOINT_EVERY},
 }
 # The node DOWN (~20 s: start-multinode.sh), or the collective timeout (20 s), and slack for
 # two loaded shared cores. Before the fix: the cut-off rank waited 30 minutes in gloo.
@@ -101,19 +108,25 @@ def failed_in_status(env, run: Path, attempt: int) -> bool:
     return ended(run, attempt)
 
 
-def lose_node(fault, node: int):
+def lose_node(fault, node: int, frozen_until_down: bool = False):
     """A fault that loses node `node` mid-stage: every rank exits and the stage fails, naming the
-    node, each within FAULT_BOUND_S; then the node comes back and `hpcr1 resume` resubmits."""
+    node, each within FAULT_BOUND_S; then the node comes back and `hpcr1 resume` resubmits.
+    `frozen_until_down`: the stage's ranks are stopped (SIGSTOP) from the fault until Slurm has set
+    the node DOWN, for a fault they would otherwise train on through (a killed slurmd: ~20 s)."""
 
     def happen(env, run: Path, attempt: int) -> None:
         faulted = time.monotonic()
+        frozen = freeze([*workers_on(1, run), *workers_on(2, run)]) if frozen_until_down else []
         fault(node)
         try:
+            if frozen:
+                wait_for(lambda: node_state(node).startswith("down"), f"mnode{node} set DOWN", FAULT_BOUND_S)
+                thaw(frozen)
             explain = functools.partial(fault_story, env, run)
             wait_for(
                 lambda: not workers_on(1, run) and not workers_on(2, run),
                 "every rank to exit",
-                FAULT_BOUND_S,
+                FAULT_BOUND_S - (time.monotonic() - faulted),
                 explain,
             )
             ranks_gone = time.monotonic() - faulted
@@ -132,6 +145,7 @@ def lose_node(fault, node: int):
             status = hpcr1(env, "status", str(run)).stdout
             assert "failed" in status and f"node(s) lost: mnode{node}" in status, status
         finally:
+            thaw(frozen)
             bring_back(node)
         hpcr1(env, "resume", str(run), "--cluster", "local-multinode")
 
@@ -140,19 +154,26 @@ def lose_node(fault, node: int):
 
 
 def preempt(env, run: Path, attempt: int) -> None:
-    """USR1 to the batch script, as Slurm sends before the time limit: the stage requeues itself."""
+    """USR1 to the batch script, as Slurm sends before the time limit: the stage requeues itself,
+    and Slurm holds the requeued job (cred_expire + 1 s: 16 s on this cluster), as status shows."""
     job = manifest(run)["stage1_sft"]["job_id"]
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=env, check=True)
+    wait_for(
+        lambda: "PENDING (BeginTime)" in hpcr1(env, "status", str(run)).stdout,
+        "status to show the requeued job's hold",
+        timeout=120,
+        explain=lambda: job_story(env, run, "stage1_sft"),
+    )
 
 
-# (step, fault): each fault once the current attempt has trained past `step`, the step after a
+# (step, fault): each fault once the current attempt has trained past `step`, 5 steps after a
 # checkpoint. Node 1 runs the batch script (the stage driver): losing it leaves nothing to record
-# the failure. The killed slurmd comes last: its ranks train on until Slurm sets the node DOWN.
+# the failure.
 SCENARIO = [
-    (30, lose_node(cut_link, 2)),
-    (80, preempt),
-    (130, lose_node(cut_link, 1)),
-    (180, lose_node(kill_slurmd, 2)),
+    (15, lose_node(cut_link, 2)),
+    (35, preempt),
+    (55, lose_node(cut_link, 1)),
+    (75, lose_node(kill_slurmd, 2, frozen_until_down=True)),
 ]
 
 
@@ -161,14 +182,14 @@ def test_every_fault_in_turn_and_the_stage_still_ends_byte_identical(env, refere
     submission and one uninterrupted run to compare with, instead of one of each a fault."""
     run = submit(env, tmp_path, FAULTS)
     for attempt, (step, fault) in enumerate(SCENARIO, start=1):
+        if getattr(fault, "node", None) == 1:  # the uninterrupted run is there: first let it end
+            wait_for(reference.exists, "the uninterrupted run (on node 1)", timeout=300)
         wait_for(
             lambda: running(run, attempt) and steps_done(run) >= step,
             f"attempt {attempt} to pass step {step} (before {fault.__name__})",
             timeout=300,
             explain=lambda: job_story(env, run, "stage1_sft"),
         )
-        if getattr(fault, "node", None) == 1:  # the uninterrupted run is there
-            wait_for(reference.exists, "the uninterrupted run (on node 1)", timeout=300)
         fault(env, run, attempt)
     wait_for(
         lambda: ended(run, len(SCENARIO) + 1),
@@ -183,4 +204,8 @@ def test_every_fault_in_turn_and_the_stage_still_ends_byte_identical(env, refere
     checkpoints = [step - step % CHECKPOINT_EVERY for step, _ in SCENARIO]
     resumed = resumed_from(run)
     assert len(resumed) == len(SCENARIO) and all(r >= c for r, c in zip(resumed, checkpoints)), resumed
+    # The preempted attempt (the second) stopped at a step of its own, and the next began there.
+    log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
+    stopped = [int(step) for step in re.findall(r"stopping at step (\d+) on request", log)]
+    assert stopped == [resumed[1]], (stopped, resumed)
     same_weights(env, run, reference)

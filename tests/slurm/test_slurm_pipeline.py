@@ -1,6 +1,7 @@
-"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, USR1
-checkpoint-and-requeue (and the exit code srun reports for ranks leaving for it), and a failed stage
-ending its dependants — with `hpcr1 status` saying so."""
+"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, the exit
+code srun reports for ranks leaving for a USR1 requeue, and a failed stage ending its dependants —
+with `hpcr1 status` saying so. The USR1 requeue itself runs in the multi-node fault scenario
+(test_multinode_faults: its preempt step)."""
 
 from __future__ import annotations
 
@@ -147,10 +148,19 @@ def test_embedded_default_runs_as_chained_jobs_with_hostile_names(slurm_env, tmp
 
 
 def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_path):
-    config = {**TWO_STAGES, "stage3_sft": {**TWO_STAGES["stage3_sft"], "steps": 400, "checkpoint_every": 5}}
+    """The cancel comes at a known point: the job is suspended (Slurm stops its processes) once the
+    step-10 checkpoint appears, so that it is still unfinished when cancelled, however loaded the
+    machine. The 40 steps after that point only have to outlast the wait's 0.5 s poll and the
+    suspend (~11 steps a second here at most), and the resumed attempt trains them again."""
+    config = {**TWO_STAGES, "stage3_sft": {**TWO_STAGES["stage3_sft"], "steps": 50, "checkpoint_every": 5}}
     run = submit(slurm_env, tmp_path, config)
-    ckpt = run / "stage3_sft" / "ckpt" / "step-000010"
-    wait_for(ckpt.exists, "stage3_sft's step-10 checkpoint")
+    ckpts = run / "stage3_sft" / "ckpt"
+    # any sealed step from 10 on (the oldest are pruned: keep_checkpoints); 10 minutes, as the
+    # stage's ranks start behind stage 1 on a loaded machine
+    wait_for(lambda: max(checkpoint_steps(ckpts), default=0) >= 10, "a checkpoint from step 10", timeout=600,
+             explain=lambda: job_story(slurm_env, run, "stage3_sft"))  # fmt: skip
+    job = manifest(run)["stage3_sft"]["job_id"]
+    subprocess.run(["scontrol", "suspend", job], env=slurm_env, check=True)
     hpcr1(slurm_env, "cancel", str(run))
     wait_for(lambda: "RUNNING" not in hpcr1(slurm_env, "status", str(run)).stdout, "the job to end")
     assert manifest(run)["stage3_sft"]["state"] == "failed"
@@ -165,45 +175,11 @@ def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_
     assert stages["stage3_sft"]["attempts"] == 2
     log = (run / "stage3_sft" / "logs" / "rank-00000.log").read_text()
     resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
-    assert resumed and resumed[0] >= 10
+    assert resumed and 10 <= resumed[0] < 50, resumed
 
 
-def test_usr1_leads_to_checkpoint_requeue_and_completion(slurm_env, tmp_path):
-    # 200 steps (~50 s here) leave the signal, sent at step 3, ample time to land before the end.
-    config = {
-        **SMALL_RUN,
-        "name": "usr1",
-        "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 200, "checkpoint_every": 1000},
-    }
-    run = submit(slurm_env, tmp_path, config)
-    job = manifest(run)["stage1_sft"]["job_id"]
-    metrics = run / "stage1_sft" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, "training to start")
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
-    # Slurm holds the requeued job for cred_expire + 1 s (31 s on the local cluster), and status says so.
-    wait_for(
-        lambda: "PENDING (BeginTime)" in hpcr1(slurm_env, "status", str(run)).stdout,
-        "status to show the requeued job's hold",
-        timeout=120,
-        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
-    )
-    wait_for(
-        lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"),
-        "the requeued job to end",
-        timeout=600,
-        explain=lambda: job_story(slurm_env, run, "stage1_sft"),
-    )
-    entry = manifest(run)["stage1_sft"]
-    assert entry["state"] == "done", job_story(slurm_env, run, "stage1_sft")
-    assert entry["preempted"] == 1 and entry["attempts"] == 2
-    log = (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
-    stopped = [
-        int(line.split("stopping at step ")[1].split()[0])
-        for line in log.splitlines()
-        if "stopping at step" in line
-    ]
-    resumed = [int(line.rsplit(" ", 1)[1]) for line in log.splitlines() if "resumed from step" in line]
-    assert stopped and resumed == stopped, (stopped, resumed)
+def checkpoint_steps(ckpts: Path) -> list[int]:
+    return [int(p.name.removeprefix("step-")) for p in ckpts.glob("step-*") if p.is_dir()]
 
 
 def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with_75(slurm_env, tmp_path):
