@@ -1,6 +1,7 @@
 """One rank of a 2-rank SFT stage fails, by an exception or by SIGKILL: every rank is gone within a
-bound (none left blocked in a collective), the manifest and `hpcr1 status` name that rank and how it
-failed, and the next `hpcr1 run` resumes the stage from its checkpoint to done."""
+bound (none left blocked in a collective), and the manifest and `hpcr1 status` name that rank and
+how it failed. That the next `hpcr1 run` resumes such a failed stage from its checkpoint, to the
+uninterrupted run's losses and weights, is test_sft_stage.py's (beside its uninterrupted run)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from runtime.rank_failure import FAIL_AT_ENV
-from tests.conftest import REPO, hpcr1_env, hpcr1_run, resumed_steps
+from tests.conftest import REPO, hpcr1_env, hpcr1_run
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -67,16 +68,20 @@ def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
     return json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"], status
 
 
-def assert_resumes_to_done(run_dir: Path, from_step: int) -> None:
-    out = hpcr1_run(run_dir).stdout
-    entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
-    assert entry["state"] == "done" and entry["attempts"] == 2 and entry["error"] is None, out
-    assert resumed_steps(run_dir) == [from_step], out
+# The runs end at their fault: steps they never reach cost nothing, and so many that the kill below
+# cannot come after the last (it waits for a first step logged, not for a step number).
+UNREACHED_STEPS = "stage1_sft.steps=1000"
 
 
-def test_exception_on_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_path):
+def steps_logged(run_dir: Path) -> int:
+    metrics = run_dir / "stage1_sft" / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def test_exception_on_rank_1_fails_the_stage_naming_it(tmp_path):
     run_dir = tmp_path / "raises"
-    proc = hpcr1_run(run_dir, wait=False, env={FAIL_AT_ENV: "rank=1,step=7"})
+    # Step 2: rank 0 is then in step 2's collectives, waiting for a rank that is gone.
+    proc = hpcr1_run(run_dir, UNREACHED_STEPS, wait=False, env={FAIL_AT_ENV: "rank=1,step=2"})
     pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
     ended = gone_at(pids)
     entry, status = failed_run(run_dir, proc)
@@ -86,17 +91,16 @@ def test_exception_on_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_p
     assert ended - raised < ALL_RANKS_GONE_WITHIN_S
     error = entry["error"]
     assert entry["state"] == "failed" and error["rank"] == 1, error
-    assert error["exception"] == "InjectedFailure" and "step 7" in error["message"], error
+    assert error["exception"] == "InjectedFailure" and "step 2" in error["message"], error
     assert error["log"].endswith("rank-00001.log") and error["signal"] is None
     assert "rank 1 failed first: InjectedFailure" in status, status
-    assert_resumes_to_done(run_dir, from_step=5)
 
 
-def test_sigkill_of_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_path):
+def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path):
     run_dir = tmp_path / "killed"
-    proc = hpcr1_run(run_dir, wait=False)
+    proc = hpcr1_run(run_dir, UNREACHED_STEPS, wait=False)
     pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
-    wait_until((run_dir / "stage1_sft" / "ckpt" / "step-000005").exists, proc, "checkpoint at step 5")
+    wait_until(lambda: steps_logged(run_dir) >= 1, proc, "a step logged (the ranks are training)")
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     ended = gone_at(pids)
@@ -107,4 +111,3 @@ def test_sigkill_of_rank_1_fails_the_stage_naming_it_and_a_rerun_resumes(tmp_pat
     error = entry["error"]
     assert entry["state"] == "failed" and error["rank"] == 1 and error["signal"] == "SIGKILL", error
     assert "rank 1 failed first: killed by SIGKILL" in status, status
-    assert_resumes_to_done(run_dir, from_step=5)

@@ -78,8 +78,12 @@ def test_synthetic_data_is_correct_distinct_capped_and_traced_to_stage2(synth_ru
 def test_synthetic_data_reads_back_as_examples(synth_run):
     from stages.data.examples import read_examples
 
-    examples = read_examples(synth_run.synthetic_data("stage3_synth"))
-    assert all(ex.response and ex.answer for ex in examples)
+    path = synth_run.synthetic_data("stage3_synth")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    examples = read_examples(path)
+    assert rows, "nothing kept: nothing to read back"
+    fields = ("id", "prompt", "answer", "response")
+    assert [tuple(getattr(ex, f) for f in fields) for ex in examples] == [tuple(r[f] for f in fields) for r in rows]
 
 
 def start_preemptible(run: RunDir) -> subprocess.Popen:
