@@ -233,3 +233,22 @@ def seconds(cell: str) -> float:
 @pytest.fixture
 def torchrun():
     return run_torchrun
+
+
+def shared_tmp_root(tmp_path_factory) -> Path:
+    """The pytest run's base temporary directory, the same in every xdist worker (each worker's own
+    base is a folder of it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """Trained run directories shared, read-only, by the tests of this pytest run that only need a
+    trained model: `trained_runs.get(*overrides, config=SMALL_RUN, stages=("stage1_sft",), env=None)`
+    (tests/support/trained_runs.py). At the end, every one handed out is checked to be unchanged."""
+    from tests.support.trained_runs import TrainedRuns
+
+    runs = TrainedRuns(shared_tmp_root(tmp_path_factory) / "trained-runs")
+    yield runs
+    runs.check_all_unchanged()

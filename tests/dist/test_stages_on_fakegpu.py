@@ -12,34 +12,32 @@ import subprocess
 import sys
 
 import pytest
-
 import torch
-import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import fakegpu
-from tests.conftest import REPO, hpcr1_env, hpcr1_run, run_once
+from tests.conftest import REPO, hpcr1_env, hpcr1_run
 
 pytestmark = pytest.mark.dist
-SHORT_SFT = ["stage1_sft.steps=4", "stage1_sft.checkpoint_every=2"]
-SHORT_GRPO = [
-    "--only",
-    "stage1_sft,stage2_grpo",
+SHORT_SFT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2")
+SHORT_GRPO = (
     "stage2_grpo.steps=2",
     "stage2_grpo.checkpoint_every=2",
     "stage2_grpo.prompts_per_step=4",
     "stage2_grpo.group_size=4",
     "stage2_grpo.max_new_tokens=16",
-]
+)
 
-
-# A task stage 1 learns the format of in 60 steps (about 0.8 of its answers well-formed, none right),
-# and a GRPO stage that rewards the format alone: what it learns within 6 steps shows in the reward.
-EASY_TASK = ["data.arithmetic.num_operands=2", "data.arithmetic.digits=2", "stage1_sft.steps=60"]
-BF16_GRPO = [
-    *("--only", "stage1_sft,stage2_grpo", "stage2_grpo.dtype=bf16", "stage2_grpo.steps=6"),
-    *("stage2_grpo.checkpoint_every=6", "stage2_grpo.prompts_per_step=4", "stage2_grpo.group_size=8"),
-    *("stage2_grpo.max_new_tokens=32", "stage2_grpo.lr=3e-4", "stage2_grpo.format_reward=1.0"),
-]
+# What a GRPO step computed (its times aside): the rollout's, the reward's and the update's.
+GRPO_RESULTS = (
+    "reward/mean",
+    "response_length/mean",
+    "entropy",
+    "actor/kl",
+    "actor/pg_loss",
+    "actor/grad_norm",
+)
 
 
 def on_device() -> dict[str, str]:
@@ -55,24 +53,40 @@ def rank_log(run_dir, stage_id: str) -> str:
     return (run_dir / stage_id / "logs" / "rank-00000.log").read_text()
 
 
+def stage1(trained_runs, *overrides: str, device: bool):
+    """The session's shared stage-1 run of SHORT_SFT (and `overrides`), on the device or the CPU."""
+    return trained_runs.get(*SHORT_SFT, *overrides, env=on_device() if device else None)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    get = run_once(tmp_path_factory.mktemp("fakegpu"))
-    return lambda name, *overrides, device: get(name, *overrides, env=on_device() if device else None)
+def grpo_runs(tmp_path_factory, trained_runs):
+    """{device: run directory}: stage 2 (SHORT_GRPO) on the device and on the CPU, each on a copy
+    of the stage-1 run of its own device (the [sft] case's)."""
+    root = tmp_path_factory.mktemp("fakegpu-grpo")
+    runs = {}
+    for device in (True, False):
+        env = on_device() if device else None
+        run_dir = root / ("device" if device else "cpu")
+        stage1(trained_runs, device=device).continue_into(
+            run_dir, *SHORT_GRPO, stages=("stage2_grpo",), env=env
+        )
+        runs[device] = run_dir
+    return runs
 
 
 @pytest.mark.parametrize("kind", ["sft", "grpo"])
-def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
-    overrides = SHORT_SFT + (SHORT_GRPO if kind == "grpo" else ["--only", "stage1_sft"])
-    device, cpu = (
-        runs(f"{kind}-device", *overrides, device=True),
-        runs(f"{kind}-cpu", *overrides, device=False),
-    )
-    assert "on fakegpu:0" in rank_log(device, "stage1_sft"), "the ranks did not run on the emulated device"
-    for stage_id in ("stage1_sft", "stage2_grpo") if kind == "grpo" else ("stage1_sft",):
+def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(trained_runs, request, kind):
+    if kind == "grpo":
+        runs = request.getfixturevalue("grpo_runs")
+        device, cpu, stages = runs[True], runs[False], ("stage2_grpo",)
+    else:
+        device, cpu = (stage1(trained_runs, device=on).path for on in (True, False))
+        stages = ("stage1_sft",)
+    for stage_id in stages:
+        assert "on fakegpu:0" in rank_log(device, stage_id), "the ranks did not run on the emulated device"
         ours, reference = metrics(device, stage_id), metrics(cpu, stage_id)
-        key = "loss" if stage_id == "stage1_sft" else "reward/mean"
-        assert [m[key] for m in ours] == pytest.approx([m[key] for m in reference], rel=1e-5)
+        for key in ("loss",) if stage_id == "stage1_sft" else GRPO_RESULTS:
+            assert [m[key] for m in ours] == pytest.approx([m[key] for m in reference], rel=1e-5), key
         on_gpu, on_cpu = (json.loads((d / stage_id / "eval.json").read_text()) for d in (device, cpu))
         assert (on_gpu["device"], on_gpu["dtype"], on_gpu["n"]) == ("fakegpu", "float32", 16)
         # greedy and sampled (mean@k: the same seeded draws on either device) alike
@@ -86,13 +100,12 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(runs, kind):
         assert grpo_split(device / "stage2_grpo")[1] == []
 
 
-def test_pipeline_stages_on_the_device_train_as_one_stage_does(runs):
+def test_pipeline_stages_on_the_device_train_as_one_stage_does(trained_runs):
     """PP=2 over the 2 ranks: megatron's 1F1B schedule sends activations and their gradients between
     the emulated devices (send/recv completing when waited for, as NCCL's), and every step's loss
     equals that of PP=1, whose ranks split the batch instead."""
-    overrides = SHORT_SFT + ["--only", "stage1_sft"]
-    one = metrics(runs("sft-device", *overrides, device=True), "stage1_sft")
-    two = metrics(runs("sft-pp2-device", *overrides, "stage1_sft.parallel.pp=2", device=True), "stage1_sft")
+    one = metrics(stage1(trained_runs, device=True).path, "stage1_sft")
+    two = metrics(stage1(trained_runs, "stage1_sft.parallel.pp=2", device=True).path, "stage1_sft")
     sent = ["phase_time/pipeline_p2p" in m for m in one + two]
     assert sent == [False] * len(one) + [True] * len(two)  # only PP=2 has stages to send between
     assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=0, abs=1e-5)
@@ -123,20 +136,59 @@ def test_sft_runs_where_each_rank_sees_only_its_own_device(tmp_path):
     assert "rank 1 of 2 on fakegpu:0" in (run_dir / "stage1_sft" / "logs" / "rank-00001.log").read_text()
 
 
+# A task stage 1 learns the format of in 60 steps (about 0.8 of its answers well-formed), and a GRPO
+# stage that rewards the format alone: its groups' rewards differ, so its step has a gradient. Its
+# one step is two AdamW updates (mini_batches 2) at GRPO's usual learning rate, 1e-6: Adam moves a
+# weight by about lr an update (|m|/sqrt(v) <= ~1 in its first updates; 3 lr bounds it), so about
+# 2e-6 in all, under half a bf16 ulp (2^-18) of any weight above 2^-10 in magnitude (nearly all):
+# a bf16 copy updated in place would lose it.
+EASY_TASK = ("data.arithmetic.num_operands=2", "data.arithmetic.digits=2", "stage1_sft.steps=60")
+LR, UPDATES = 1e-6, 2
+BF16_GRPO = (
+    *("stage2_grpo.dtype=bf16", "stage2_grpo.steps=1", "stage2_grpo.checkpoint_every=1"),
+    *("stage2_grpo.prompts_per_step=8", "stage2_grpo.group_size=8", "stage2_grpo.max_new_tokens=32"),
+    *(f"stage2_grpo.lr={LR}", f"stage2_grpo.mini_batches={UPDATES}", "stage2_grpo.format_reward=1.0"),
+)
+
+
+def master_weights(checkpoint) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model's and the optimizer's state in a step checkpoint (DCP, read whole in this process)."""
+    whole = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, whole)
+    state = torch.load(whole, weights_only=False)
+    return state["model"], state["optim"]
+
+
 @pytest.mark.slow
-def test_a_bf16_grpo_stage_trains_on_the_device_over_fp32_master_weights(tmp_path):
-    """Stage 1 on the CPU, then stage 2 in bf16 on the device: the reward rises, the step
-    checkpoint's weights and AdamW states are fp32 (the master copy), final/ is bf16 and is
-    evaluated in bf16 on the device. (That the actor computes in bf16 over them: the unit test
-    tests/unit/test_grpo_precision.py.)"""
+def test_a_bf16_grpo_stage_trains_on_the_device_over_fp32_master_weights(trained_runs, tmp_path):
+    """Stage 1 on the CPU (shared), then stage 2 in bf16 on the device. Its step checkpoint's weights
+    and AdamW states are fp32 (the master copy), and the step moved the masters by AdamW's updates
+    alone (no more than 3 lr each: not rounded through bf16), most of them, and mostly by amounts a
+    bf16 copy cannot hold: most changed weights keep their bf16 rounding, so a bf16 model updated in
+    place would not have changed at all. final/ is the masters rounded to bf16, and is evaluated in
+    bf16 on the device. (That the actor computes in bf16 over them: tests/unit/test_grpo_precision.py.)"""
     run_dir = tmp_path / "bf16"
-    hpcr1_run(run_dir, *EASY_TASK, "--only", "stage1_sft")
-    hpcr1_run(run_dir, *EASY_TASK, *BF16_GRPO, env=on_device())
-    rewards = [m["reward/mean"] for m in metrics(run_dir, "stage2_grpo")]
-    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.05, rewards
-    saved = dcp.FileSystemReader(run_dir / "stage2_grpo" / "ckpt" / "step-000006").read_metadata()
-    tensors = {k: v.properties.dtype for k, v in saved.state_dict_metadata.items() if hasattr(v, "properties")}
-    assert any(k.startswith("optim.") for k in tensors) and set(tensors.values()) == {torch.float32}
-    final = json.loads((run_dir / "stage2_grpo" / "final" / "config.json").read_text())
+    trained_runs.get(*EASY_TASK).continue_into(run_dir, *BF16_GRPO, stages=("stage2_grpo",), env=on_device())
+    assert "on fakegpu:0" in rank_log(run_dir, "stage2_grpo")
+    masters, optim = master_weights(run_dir / "stage2_grpo" / "ckpt" / "step-000001")
+    optim_tensors = [t for state in optim["state"].values() for t in state.values() if t.dim() > 0]
+    assert optim_tensors and {t.dtype for t in [*masters.values(), *optim_tensors]} == {torch.float32}
+
+    start = load_file(run_dir / "stage1_sft" / "final" / "model.safetensors")  # the fp32 masters' start
+    final = load_file(run_dir / "stage2_grpo" / "final" / "model.safetensors")
+    assert masters.keys() == start.keys() == final.keys()
+    moved = kept_in_bf16 = total = 0
+    for name, after in masters.items():
+        before = start[name]
+        changed = after != before
+        assert (after - before).abs().max() <= 3 * LR * UPDATES, name
+        moved += int(changed.sum())
+        total += after.numel()
+        kept_in_bf16 += int((changed & (after.bfloat16() == before.bfloat16())).sum())
+        assert final[name].dtype == torch.bfloat16 and torch.equal(final[name], after.bfloat16()), name
+    print(f"the step moved {moved} of {total} master weights, {kept_in_bf16} by less than bf16 resolves")
+    assert moved > 0.5 * total, f"the step moved {moved} of {total} master weights"
+    assert kept_in_bf16 > 0.8 * moved, f"{kept_in_bf16} of {moved} updates were below bf16's resolution"
     evaluated = json.loads((run_dir / "stage2_grpo" / "eval.json").read_text())
-    assert (final["dtype"], evaluated["device"], evaluated["dtype"]) == ("bfloat16", "fakegpu", "bfloat16")
+    config = json.loads((run_dir / "stage2_grpo" / "final" / "config.json").read_text())
+    assert (config["dtype"], evaluated["device"], evaluated["dtype"]) == ("bfloat16", "fakegpu", "bfloat16")
