@@ -1,7 +1,7 @@
-"""The pipeline on a real (local, single-node) Slurm: chained stage jobs, cancel + resume, the exit
-code srun reports for ranks leaving for a USR1 requeue, and a failed stage ending its dependants —
-with `hpcr1 status` saying so. The USR1 requeue itself runs in the multi-node fault scenario
-(test_multinode_faults: its preempt step)."""
+"""The pipeline on a real (local, single-node) Slurm: cancel + resume, the exit code srun reports for
+ranks leaving for a USR1 requeue, and a failed stage ending its dependants — with `hpcr1 status`
+saying so. The five stages as chained jobs (hostile names included) and the USR1 requeue itself run
+on the multi-node cluster: test_multinode_pipeline, test_multinode_faults."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import _apply_override
 from launch.slurm_launch import srun_command
 from tests.conftest import REPO, SMALL_RUN
 
@@ -83,7 +82,7 @@ def overrides(section: str, **fields) -> list[str]:
 
 # configs/tiny-cpu.yaml cut to a few steps on one-digit sums, as `hpcr1 submit` overrides: stage 1
 # must learn enough (~0.5 accuracy in 150 steps) for the synthesis stage to find correct answers, or
-# it fails, as it should. The multi-node pipeline test submits the same.
+# it fails, as it should. The multi-node pipeline test submits them; the verl chains build on them.
 SHRUNK_OVERRIDES = [
     # one of the 100 one-digit sums is in the validation split
     "data.arithmetic={num_operands: 2, digits: 1, sft_size: 64, prompts_size: 8, eval_size: 8, "
@@ -104,47 +103,6 @@ SHRUNK_OVERRIDES = [
     ),
     *overrides("stage3_synth", num_prompts=8, samples_per_prompt=2, max_new_tokens=24, batch_size=8),
 ]
-
-
-def embedded_default_shrunk() -> dict:
-    config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
-    for item in SHRUNK_OVERRIDES:
-        _apply_override(config, item)
-    return config
-
-
-HOSTILE_NAME = "x$(touch /tmp/pwned)`touch /tmp/pwned`'\"; touch /tmp/pwned"
-
-
-def test_embedded_default_runs_as_chained_jobs_with_hostile_names(slurm_env, tmp_path):
-    pwned = Path("/tmp/pwned")
-    pwned.unlink(missing_ok=True)
-    config = embedded_default_shrunk()
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run = tmp_path / "run $(touch /tmp/pwned) `id`"
-    hpcr1(slurm_env, "submit", str(path), "--cluster", "local", "--run-dir", str(run), f"name={HOSTILE_NAME}")
-    chain = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo"]
-    assert sorted(manifest(run)) == sorted(chain)
-    assert len({e["job_id"] for e in manifest(run).values()}) == 5
-    script = (run / "stage4_grpo" / "logs" / "stage4_grpo.sbatch").read_text()
-    assert "--signal=B:USR1@30" in script and "--requeue" in script
-    wait_for(
-        lambda: (
-            all(e["state"] == "done" for e in manifest(run).values())
-            or any(e["state"] == "failed" for e in manifest(run).values())
-        ),
-        "all five stages",
-        timeout=900,
-    )
-    stages = manifest(run)
-    assert all(e["state"] == "done" for e in stages.values()), stages
-    assert all(stages[a]["ended"] <= stages[b]["started"] for a, b in zip(chain, chain[1:])), (
-        "afterok chain broken"
-    )
-    assert not pwned.exists(), "a hostile string was executed"
-    status = hpcr1(slurm_env, "status", str(run)).stdout
-    assert status.count("done") == 5 and "COMPLETED" in status, status
 
 
 def test_cancelled_stage_resumes_without_recomputing_done_stages(slurm_env, tmp_path):
