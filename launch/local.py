@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from core.rundir import RunDir
-from runtime.dist import free_port
+from runtime.group import free_port
 from runtime.rank_failure import TORCHRUN_FAILURES
 
 

@@ -9,6 +9,9 @@ the allocation (verl joins it through RAY_ADDRESS):
 
 `hpcr1 stage` calls `verl_launcher(cfg, sid)` in place of the srun launcher, so the manifest
 treats the stage like any other: done only when final/ and eval.json are there.
+
+What imports torch (transformers, our engines, phases) is imported where verl's side runs: `hpcr1
+submit` and the job of every stage import this module, and most of them never need torch.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from core.config import (
 from core.rundir import RunDir
 from launch.local import repo_env
 from launch.slurm_launch import run_stage_in_allocation
-from runtime.phases import phase
 from runtime.preemption import PREEMPTED_EXIT
 from runtime.rank_failure import record_exception, record_printed_exception
 from stages.data.examples import DataError, Example, read_examples
@@ -68,8 +70,6 @@ from stages.engines.verl_trainer import (
     uses_verl,
     verl_paths,
 )
-from stages.eval import accuracy_of, tally
-from stages.synth import accepted_answers, write_outputs
 
 
 def run_verl_stage(run_dir: Path, sid: str, pass_fds: tuple[int, ...] = ()) -> int:
@@ -244,6 +244,8 @@ def _generate_on_verl(
     """verl's answers to `examples` from `model_dir` (a list of n a prompt), or its exit code."""
     from transformers import AutoTokenizer
 
+    from runtime.phases import phase
+
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
     overrides = generation_overrides(
@@ -264,6 +266,9 @@ def _generate_on_verl(
 
 
 def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    from runtime.phases import phase
+    from stages.synth import accepted_answers, write_outputs
+
     stage = getattr(cfg, sid)
     model_dir = run.model_dir(stage.init_from)
     prompts = read_examples(run.task_file("prompts"))[: stage.num_prompts]
@@ -287,6 +292,8 @@ def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass
 
 
 def _evaluate_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    from stages.eval import accuracy_of, tally
+
     examples = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
     answers = _generate_on_verl(cfg, run, sid, run.final(sid), examples, nodes, pass_fds)
     if isinstance(answers, int):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from core.cluster import COLLECTIVE_TIMEOUT_ENV
+from runtime.group import claimed, free_port, from_rank0  # noqa: F401 (defined without torch: runtime/group.py)
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,6 @@ def under_torchrun(env: dict[str, str]) -> bool:
 def under_mpi(env: dict[str, str]) -> bool:
     """Started by an MPI launcher, and not through torchrun (which an srun task may run)."""
     return not under_torchrun(env) and any(name in env for name in MPI_LAUNCHED_BY)
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the OS's pick), for a rendezvous to listen on."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def accelerator_type() -> str | None:
@@ -181,24 +174,3 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def claimed(items: list, key: str, store: dist.Store | None = None):
-    """`items` handed out once each over all ranks, first come first served, through the process
-    group's store (`key` names this one hand-out): a rank that is done early takes the next item
-    instead of waiting for the others, so none finishes more than one item after another."""
-    if store is None and not dist.is_initialized():
-        yield from items
-        return
-    store = store or dist.distributed_c10d._get_default_store()
-    while (i := store.add(key, 1) - 1) < len(items):
-        yield items[i]
-
-
-def from_rank0(compute):
-    """Rank 0's `compute()`, on every rank (a collective): one decision, or one view of a shared
-    file system, where each rank's own might differ."""
-    value = [compute() if not dist.is_initialized() or dist.get_rank() == 0 else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(value, src=0)
-    return value[0]

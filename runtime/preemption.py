@@ -11,11 +11,6 @@ import os
 import signal
 from typing import NoReturn
 
-import torch
-import torch.distributed as dist
-
-from runtime.dist import rank_device
-
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again later" — the driver requeues instead of failing
 _signalled = False
 
@@ -39,6 +34,12 @@ def signalled() -> bool:
 
 def stop_requested() -> bool:
     """True on every rank if any rank was signalled (a collective: call it on all ranks)."""
+    # imported here: the stage driver reads PREEMPTED_EXIT and must not pay for importing torch
+    import torch
+    import torch.distributed as dist
+
+    from runtime.dist import rank_device
+
     flag = torch.tensor([1 if _signalled else 0], device=rank_device())
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

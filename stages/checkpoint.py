@@ -22,8 +22,6 @@ import shutil
 import traceback
 from pathlib import Path
 
-import torch.distributed as dist
-
 from core.atomic import atomic_write_text
 from core.digests import (
     CHUNK_BYTES,
@@ -34,7 +32,7 @@ from core.digests import (
     pieces_of,
     stat_of,
 )
-from runtime.dist import claimed, from_rank0
+from runtime.group import claimed, from_rank0, joined_group
 
 log = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
@@ -284,7 +282,8 @@ def agreed_resume_step(ckpts: CheckpointDir) -> int | None:
 
 
 def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dist = joined_group()
+    return (dist.get_rank(), dist.get_world_size()) if dist is not None else (0, 1)
 
 
 # Every rank seals and verifies the same checkpoints in the same order, so the n-th hand-out has
@@ -300,12 +299,14 @@ def _claim(pieces: list):
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
+    dist = joined_group()
+    if dist is not None:
         dist.barrier()
 
 
 def _all(value) -> list:
-    if not dist.is_initialized():
+    dist = joined_group()
+    if dist is None:
         return [value]
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)

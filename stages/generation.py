@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits_naive
 
 from stages.data.tokenizer import encode_prompt
 
@@ -380,6 +379,10 @@ class TokenScores:
     def record(self, tempered: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, t: int) -> None:
         """Step t: the tempered logits of the rows still decoding [len(rows), vocab], every row's
         token [batch]."""
+        # verl (and Ray, which it imports) is loaded by GRPO's rollout, the only caller, not by
+        # every rank that evaluates or synthesises
+        from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits_naive
+
         # verl's log_softmax + gather over all rows at once: without flash-attn, `logprobs_from_logits`
         # bounds the memory of [rows, length, vocab] logits by looping over the rows (one logsumexp per
         # row and step, a large share of the rollout), which [rows, vocab] does not need; the log-prob

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from core.atomic import atomic_write_text
-from runtime.trace_parser import parse_trace
 from stages.data.examples import DataError, Example
 
 # verl's record_function ranges (DistProfiler.annotate roles) -> our GRPO phases
@@ -113,6 +112,10 @@ def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
     """Every torch-profiler trace verl wrote -> profile/rank-NNNNN.jsonl (source "trace"). A rank's
     traces (one per role and profiled step) are merged in time order and its per-(group, op) call
     counters renumbered over all of them. Returns the number of events."""
+    # imported here: the parser's op tables live with the profiler, which imports torch, and
+    # `hpcr1 submit` imports this module without ever reading a trace
+    from runtime.trace_parser import parse_trace
+
     by_rank: dict[int, list[dict]] = {}
     for path in sorted(trace_dir.glob("*.json*")):
         step = _TRACE_STEP.search(path.name)
