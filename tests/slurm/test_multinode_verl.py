@@ -20,7 +20,8 @@ import yaml
 from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
 from tests.slurm.test_slurm_verl import verl_config
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.verl_chain]
+# A chain of verl jobs, each waited for up to 1200 s: more than the 900 s pytest gives a test.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.verl_chain, pytest.mark.timeout(2400)]
 
 
 def test_a_verl_grpo_stage_spans_both_nodes(multinode_env, tmp_path):

@@ -33,6 +33,9 @@ from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, 
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
+# A chain of verl jobs, each waited for up to 900-1200 s: more than the 900 s pytest gives a test.
+VERL_CHAIN_TIMEOUT_S = 2400
+
 # verl on the local profile's 2 ranks: one rollout replica a rank, micro-batches a rank can hold.
 VERL = [
     *(f"{sid}.engine=verl" for sid in ("stage2_grpo", "stage4_grpo", "stage3_synth")),
@@ -144,6 +147,7 @@ def assert_report_times_verl_phases(run: Path, sid: str) -> None:
 
 
 @pytest.mark.verl_chain
+@pytest.mark.timeout(VERL_CHAIN_TIMEOUT_S)
 def test_verl_grpo_survives_usr1_and_sigkill_and_eval_runs_on_verls_replicas(slurm_env, tmp_path):
     # 6 GRPO steps, a checkpoint each: USR1 lands after the first, SIGKILL after the second.
     run = submit(slurm_env, tmp_path, verl_config("stage1_sft.steps=10", "stage2_grpo.steps=6"))
@@ -195,6 +199,7 @@ CHAIN = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo
 
 
 @pytest.mark.verl_chain
+@pytest.mark.timeout(VERL_CHAIN_TIMEOUT_S)
 def test_the_five_stages_with_every_verl_engine_finish_as_chained_jobs(slurm_env, tmp_path):
     """GRPO twice on verl's trainer, synthesis and every stage's held-out eval on verl's replicas;
     verl's outputs handed over in our formats (final/ a Llama holding the update, metrics, report)."""
