@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from core.cluster import COLLECTIVE_TIMEOUT_ENV
-from runtime.group import claimed, free_port, from_rank0  # noqa: F401 (defined without torch: runtime/group.py)
 
 
 @dataclass(frozen=True)

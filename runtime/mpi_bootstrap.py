@@ -17,7 +17,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 
-from runtime.dist import RankInfo, free_port
+from runtime.dist import RankInfo
+from runtime.group import free_port
 from runtime.mpi_profiler import ProfiledComm
 
 

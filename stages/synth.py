@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from core.atomic import atomic_write_text
 from runtime.context import StageContext
-from runtime.dist import from_rank0, rank_device
+from runtime.dist import rank_device
+from runtime.group import from_rank0
 from runtime.phases import phase, take_phase_times
 from runtime.preemption import leave_if_requested, signalled
 from stages.data.examples import Example, read_examples, write_examples

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from runtime.context import StageContext
-from runtime.dist import from_rank0, rank_device
+from runtime.dist import rank_device
+from runtime.group import from_rank0
 from runtime.phases import phase
 from runtime.preemption import leave_if_requested
 from stages.data.examples import read_examples

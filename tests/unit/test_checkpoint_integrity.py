@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from core.atomic import atomic_write_text, file_sha256
 from core.digests import pieces_of, stat_of
-from runtime.dist import claimed
+from runtime.group import claimed
 from stages.checkpoint import CHECKSUMS, CheckpointDir, CheckpointWriteError, step_name
 
 
