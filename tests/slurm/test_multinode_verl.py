@@ -1,20 +1,15 @@
 """A verl GRPO stage across the 2 nodes of the multi-node local cluster (`--cluster
 local-multinode`, one rank a node, verl's CPU platform): the template's Ray head on the first node
-(at the address Slurm reaches that node at) and a Ray worker on the second join into one cluster,
-verl's trainer places one FSDP rank (and one rollout replica) on each (their profiler traces name the
-hosts), and the stage ends done, its final/ and held-out eval written. The job runs under a home
-holding another Ray's auth token (a Ray started in-process leaves one, and every node sees the same
-home): the job's Ray must start and answer as without it."""
+and a Ray worker on the second join into one cluster, verl's trainer places one FSDP rank (and one
+rollout replica) on each (their profiler traces name the hosts), and the stage ends done, its
+final/ and held-out eval written."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import re
-import subprocess
 
 import pytest
-import verl  # noqa: F401  (pinned: a broken install fails here instead of skipping the module)
 import yaml
 
 from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
@@ -22,13 +17,11 @@ from tests.slurm.test_slurm_verl import verl_config
 
 # A chain of verl jobs, each waited for up to 1200 s: more than the 900 s pytest gives a test.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.verl_chain, pytest.mark.timeout(2400)]
+import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 
 def test_a_verl_grpo_stage_spans_both_nodes(multinode_env, tmp_path):
-    home = tmp_path / "home"
-    (home / ".ray").mkdir(parents=True)
-    (home / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
-    env = {k: v for k, v in multinode_env.items() if k != "SLURM_CONF"} | {"HOME": str(home)}
+    env = {k: v for k, v in multinode_env.items() if k != "SLURM_CONF"}
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(verl_config("stage2_grpo.init_from=base", stages=("stage2_grpo",))))
     run = tmp_path / "run"
@@ -43,12 +36,6 @@ def test_a_verl_grpo_stage_spans_both_nodes(multinode_env, tmp_path):
     assert json.loads((run / sid / "eval.json").read_text())["n"] == 8
     job_output = "".join(p.read_text() for p in (run / sid / "logs").glob("slurm-*.out"))
     assert "Ray cluster ready: 2 node(s)" in job_output
-    # The head tells the other nodes to join it at the address Slurm reaches mnode1 at.
-    head = re.search(r"ray start --address='([\d.]+):\d+'", job_output)
-    node = subprocess.run(
-        ["scontrol", "show", "node", "mnode1"], env=multinode_env, capture_output=True, text=True
-    )
-    assert head and f"NodeAddr={head[1]} " in node.stdout, (head, node.stdout)
     # verl's torch-profiler traces name each FSDP rank's host: one rank on each node
     hosts = {}
     for trace in (run / sid / "verl_traces").glob("*.json.gz"):
