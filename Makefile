@@ -4,10 +4,11 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
-# The tests run in TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps a module, or the modules
-# sharing a service, in one; the longest go first). The suite is CPU-bound on 2 cores, and its Slurm
-# and verl tests wait on services besides: bench/RESULTS.md has the figures behind the default.
-TEST_WORKERS ?= 3
+# TEST_WORKERS=3 runs the tests in 3 pytest-xdist workers (tests/conftest.py keeps a module, or the
+# modules sharing a service, in one; the longest go first). Not the default: the suite is CPU-bound
+# on 2 cores, and under 3 workers with verl's chains the planner-vs-engines fixture passed pytest's
+# 900 s (167 s alone): issue 46's note has the figures.
+TEST_WORKERS ?= 1
 XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
@@ -98,10 +99,10 @@ lint: setup
 # Starts the local single-node Slurm the tests in tests/slurm submit to.
 test: lint system-packages
 	slurm/local/start.sh
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not verl_chain" $(PYTEST_ARGS)
 
-# Only the verl chains (part of `make test` too): verl's own trainer and generation through the
-# five-stage chain and across two nodes, on the CPU platform.
+# verl's own trainer and generation through the five-stage chain and across two nodes, on the CPU
+# platform (not in `make test` yet: with them the suite took 60 min in 3 workers).
 test-verl: lint system-packages
 	slurm/local/start.sh
 	$(PY) -m pytest -q -m verl_chain $(PYTEST_ARGS)

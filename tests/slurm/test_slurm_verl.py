@@ -23,7 +23,7 @@ from tests.conftest import REPO
 from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, manifest, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-pytest.importorskip("verl")
+import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 # A chain of verl jobs, each waited for up to 900-1200 s: more than the 900 s pytest gives a test.
 VERL_CHAIN_TIMEOUT_S = 2400
