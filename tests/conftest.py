@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -129,19 +127,6 @@ def run_once(root: Path, *common: str):
         return made[name]
 
     return get
-
-
-def kill_run_at_checkpoint(run_dir: Path, step: int, *overrides: str) -> None:
-    """Start `hpcr1 run` into run_dir and SIGKILL it with its ranks as soon as stage 1's checkpoint
-    of `step` is sealed."""
-    proc = hpcr1_run(run_dir, *overrides, wait=False)
-    ckpt = run_dir / "stage1_sft" / "ckpt" / f"step-{step:06d}"
-    deadline = time.time() + 300
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert ckpt.exists(), proc.stdout.read().decode()[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
 
 
 def sft_losses(run_dir: Path) -> list[float]:

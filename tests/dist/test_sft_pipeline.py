@@ -1,13 +1,11 @@
 """Pipeline-parallel SFT on 4 gloo ranks through the real CLI: PP=2 (x DP=2) and TP=2 x PP=2 give
-one rank's losses and final weights; a run SIGKILLed mid-stage resumes to byte-identical weights;
-the pipeline's send/recv move exactly the activations and their gradients."""
+one rank's losses and final weights; a run failed mid-stage resumes from the pipeline's checkpoint
+(each stage's shard) to the same losses and byte-identical weights; the pipeline's send/recv move
+exactly the activations and their gradients."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from core.config import load_resolved
 from core.rundir import RunDir
+from runtime.rank_failure import FAIL_AT_ENV
 from stages.data.examples import read_examples
 from stages.data.sft_batches import GlobalBatchOrder, tokenize_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.models.hf_files import read_hf_weights
-from tests.conftest import hpcr1_run, kill_run_at_checkpoint, resumed_steps, run_once
+from tests.conftest import hpcr1_run, resumed_steps, run_once
 from tests.conftest import sft_losses as losses
 
 pytestmark = pytest.mark.dist
@@ -96,11 +95,14 @@ def test_the_pipeline_moves_the_activations_and_their_gradients(runs):
                 assert [e["bytes"] for e in p2p if e["op"] == op] == want, (rank, step, op)
 
 
-def test_a_killed_pipeline_run_resumes_to_the_same_bytes(runs, tmp_path):
+def test_a_failed_pipeline_run_resumes_to_the_same_bytes(runs, tmp_path):
+    """Rank 1 (first pipeline stage, second replica) raises as step 4 begins: a fault at a known
+    step (no kill racing the run to the checkpoint of step 2 before the last one is written), one
+    step past that checkpoint, so that the resumed run repeats step 3."""
     reference = runs("pp2", *PP2)
-    run_dir = tmp_path / "killed"
-    kill_run_at_checkpoint(run_dir, 2, *SHORT, *PP2)
-    assert len(losses(run_dir)) < 4, "the run finished before it could be killed: nothing was tested"
+    run_dir = tmp_path / "failed"
+    failed = hpcr1_run(run_dir, *SHORT, *PP2, env={FAIL_AT_ENV: "rank=1,step=4"}, check=False)
+    assert failed.returncode == 1 and len(losses(run_dir)) == 3, failed.stdout[-3000:]
 
     hpcr1_run(run_dir, *SHORT, *PP2)
     assert resumed_steps(run_dir) == [2]
