@@ -13,10 +13,14 @@ import pytest
 import yaml
 
 from tests.slurm.test_slurm_pipeline import hpcr1, job_story, manifest, wait_for
-from tests.slurm.test_slurm_verl import verl_config
+from tests.slurm.test_slurm_verl import VERL_CHAIN_TIMEOUT_S, verl_config
 
-# A chain of verl jobs, each waited for up to 1200 s: more than the 900 s pytest gives a test.
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.verl_chain, pytest.mark.timeout(2400)]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.verl_chain,
+    pytest.mark.timeout(VERL_CHAIN_TIMEOUT_S),
+]
 import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 
