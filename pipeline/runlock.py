@@ -57,6 +57,24 @@ def hold_run_dir(path: Path, echo=print, wait_s: float = 0.0):
         os.close(fd)  # releases the flock unless a child still holds the descriptor
 
 
+def holder_after(path: Path, wait_s: float) -> str | None:
+    """Waits up to `wait_s` for the run directory to be let go; returns who still holds it then, or
+    None once it is free. It takes nothing: the lock is released at once."""
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        deadline = time.monotonic() + wait_s
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                holder = _read(fd)
+                return _describe(holder) if holder else "another process"
+            time.sleep(0.2)
+        return None
+    finally:
+        os.close(fd)
+
+
 def _acquire(fd: int, path: Path, echo, deadline: float) -> None:
     try:
         while not _try_flock(fd):

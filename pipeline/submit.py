@@ -23,7 +23,7 @@ from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
-from pipeline.runlock import hold_run_dir
+from pipeline.runlock import hold_run_dir, holder_after
 from stages.engines.verl_trainer import verl_stages
 
 
@@ -126,6 +126,10 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
     return 0
 
 
+# Slurm's default KillWait (30 s from SIGTERM to SIGKILL) and some margin for a loaded node.
+CANCEL_WAIT_S = 60
+
+
 def cancel(run: RunDir, echo=print) -> list[str]:
     manifest = Manifest(run.root)
     jobs = [e["job_id"] for e in manifest.data["stages"].values() if e.get("job_id") and e["state"] != "done"]
@@ -136,4 +140,12 @@ def cancel(run: RunDir, echo=print) -> list[str]:
         if entry.get("job_id") in jobs and entry["state"] in ("pending", "running"):
             manifest.fail(sid, {"summary": "cancelled by hpcr1 cancel"})
     echo(f"cancelled {len(jobs)} job(s): {' '.join(jobs) or '-'}")
+    # scancel returns before the jobs' processes end (Slurm's KillWait): wait, so that a resume
+    # right after is not refused by the cancelled stage still holding the run directory.
+    holder = holder_after(run.lock, CANCEL_WAIT_S)
+    if holder:
+        echo(
+            f"hpcr1: warning: {holder} still holds {run.root} after {CANCEL_WAIT_S} s; "
+            "a resume is refused until it ends"
+        )
     return jobs

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.rundir import RunDir
+from pipeline.runlock import holder_after
 from tests.conftest import SMALL_RUN
 from tests.slurm.multinode import bring_back, cut_link, freeze, kill_slurmd, node_state, thaw, workers_on
 from tests.slurm.test_multinode_pipeline import one_node_profile, weight_difference
@@ -147,6 +149,10 @@ def lose_node(fault, node: int, frozen_until_down: bool = False):
         finally:
             thaw(frozen)
             bring_back(node)
+        # a driver cut off on node 1 ends only once the node is back and Slurm kills what is left
+        # of its job: until then it holds the run directory and a resume is refused, naming it
+        holder = holder_after(RunDir(run).lock, 120)
+        assert holder is None, f"{holder} still holds the run directory 120 s after mnode{node} came back"
         hpcr1(env, "resume", str(run), "--cluster", "local-multinode")
 
     happen.__name__, happen.node = f"{fault.__name__}({node})", node

@@ -22,7 +22,7 @@ from core.atomic import atomic_write_text
 from core.config import dump_config, load_config
 from core.rundir import RunDir
 from pipeline.cli import main
-from pipeline.runlock import RunDirBusy, hold_run_dir
+from pipeline.runlock import RunDirBusy, hold_run_dir, holder_after
 from tests.conftest import REPO, SMALL_RUN, snapshot
 
 # The driver's side: take the lock, start a child that inherits it (as torchrun does), report pids.
@@ -127,3 +127,14 @@ def test_a_stage_job_waits_for_a_submit_in_progress_then_takes_the_lock(holder):
         waited = time.monotonic() - start
         assert json.loads(run.lock.read_text())["pid"] == os.getpid()
     assert 0.9 < waited < 30
+
+
+def test_holder_after_names_the_holder_until_it_lets_go_and_takes_nothing(holder):
+    # `hpcr1 cancel` waits with it for the cancelled stage's processes to end
+    run, proc, ranks_pid = holder
+    assert f"pid {proc.pid}" in holder_after(run.lock, 0.3)
+    threading.Timer(0.5, lambda: (_kill(ranks_pid), proc.stdin.close())).start()
+    assert holder_after(run.lock, 30) is None
+    proc.wait()
+    with hold_run_dir(run.lock, wait_s=0):
+        pass
