@@ -1,6 +1,7 @@
 """The communication profiler on real ranks: every kind of call is recorded with the size it moves,
 training traffic equals what the gradients require, DeepSpeed's own comms logger agrees, MPI calls
 show up, and a rank made slow on purpose is named as the straggler."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,12 @@ WORKERS = Path(__file__).parent / "workers"
 
 
 def run_worker(name: str, stage_dir: Path) -> list[dict]:
-    run_torchrun(WORKERS / name, 2, str(stage_dir / "profile"),
-                 env={"TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")})
+    run_torchrun(
+        WORKERS / name,
+        2,
+        str(stage_dir / "profile"),
+        env={"TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")},
+    )
     return load_events(stage_dir)
 
 
@@ -58,7 +63,11 @@ def test_every_kind_of_call_is_recorded_once_with_its_size(ops_run):
         mine = [e for e in events if e["rank"] == rank]
         for phase, expected in EXPECTED.items():
             assert [(e["op"], e["bytes"]) for e in mine if e["phase"] == phase] == [expected], phase
-        p2p = {(e["phase"], e["op"], e["bytes"], e["peer"]) for e in mine if e["phase"] in ("send_recv", "isend_irecv")}
+        p2p = {
+            (e["phase"], e["op"], e["bytes"], e["peer"])
+            for e in mine
+            if e["phase"] in ("send_recv", "isend_irecv")
+        }
         op, peer = ("send", 1) if rank == 0 else ("recv", 0)
         assert p2p == {("send_recv", op, N_BYTES, peer), ("isend_irecv", op, N_BYTES, peer)}
 
@@ -68,8 +77,13 @@ def test_calls_in_inference_mode_and_batched_p2p_are_recorded(ops_run):
     for rank in (0, 1):
         mine = [e for e in events if e["rank"] == rank]
         inference = [(e["op"], e["bytes"]) for e in mine if e["phase"] == "inference_mode"]
-        assert inference == [("all_reduce", N_BYTES), ("all_gather", 2 * N_BYTES), ("broadcast", N_BYTES),
-                             ("barrier", 0), ("all_reduce", N_BYTES)]
+        assert inference == [
+            ("all_reduce", N_BYTES),
+            ("all_gather", 2 * N_BYTES),
+            ("broadcast", N_BYTES),
+            ("barrier", 0),
+            ("all_reduce", N_BYTES),
+        ]
         batched = [(e["op"], e["bytes"], e["peer"]) for e in mine if e["phase"] == "batch_isend_irecv"]
         assert batched == [(("send", "recv")[rank], N_BYTES, 1 - rank)]
 
@@ -89,8 +103,14 @@ def test_every_call_has_completion_after_start_and_matches_across_ranks(ops_run)
     assert all(e["t_end"] >= e["t_start"] for e in events)
     functional = [e for e in events if e["phase"] == "functional_all_reduce"]
     assert functional and all(e["t_start"] <= e["t_wait"] <= e["t_end"] for e in functional)
-    keys = [Counter((e["op"], tuple(e["group_ranks"]), e["seq"], e["bytes"]) for e in events
-                    if e["rank"] == r and e["op"] not in ("send", "recv")) for r in (0, 1)]
+    keys = [
+        Counter(
+            (e["op"], tuple(e["group_ranks"]), e["seq"], e["bytes"])
+            for e in events
+            if e["rank"] == r and e["op"] not in ("send", "recv")
+        )
+        for r in (0, 1)
+    ]
     assert keys[0] == keys[1]
 
 
@@ -116,7 +136,10 @@ def test_fsdp2_reduce_scatter_and_all_gather_bytes_per_step_equal_padded_paramet
 
 
 # DeepSpeed's comms logger names ops after its API and sizes all_gather by the piece sent.
-DEEPSPEED_NAMES = {"all_gather_into_tensor": ("all_gather", 2), "reduce_scatter_tensor": ("reduce_scatter", 1)}
+DEEPSPEED_NAMES = {
+    "all_gather_into_tensor": ("all_gather", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+}
 
 
 def test_deepspeed_calls_agree_with_deepspeeds_comms_logger(tmp_path):
@@ -128,7 +151,9 @@ def test_deepspeed_calls_agree_with_deepspeeds_comms_logger(tmp_path):
             op, pieces = DEEPSPEED_NAMES.get(name, (name, 1))
             for size, count in sizes.items():
                 theirs[(op, int(size) * pieces)] += count
-        ours = Counter((e["op"], e["bytes"]) for e in events if e["rank"] == rank and e["source"] == "deepspeed")
+        ours = Counter(
+            (e["op"], e["bytes"]) for e in events if e["rank"] == rank and e["source"] == "deepspeed"
+        )
         assert ours == theirs and sum(ours.values()) > 0
 
 
@@ -139,16 +164,31 @@ def test_straggler_is_named_and_the_other_rank_carries_the_wait(tmp_path):
     break, and wait read off completion times (about equal on both ranks) would still fail it."""
     stage = tmp_path / "stage1_sft"
     run_worker("comm_straggler.py", stage)
-    ranks = {r[0]: r for r in summarise_stage(stage).per_rank()}  # rank -> (rank, comm, wait, times slowest, overlap)
+    # rank -> (rank, comm, wait, times slowest, overlap)
+    ranks = {r[0]: r for r in summarise_stage(stage).per_rank()}
     assert ranks[1][3] == 3 and ranks[0][3] == 0, "rank 1 slept before each of the 3 calls"
     assert ranks[0][2] >= 3 * 0.3 / 2 and ranks[1][2] == 0.0, "rank 1 arrived last: it waited for nobody"
 
 
 def test_mpi_calls_are_recorded_with_their_sizes(tmp_path):
-    cmd = [system_command("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
-           str(WORKERS / "comm_mpi.py"), str(tmp_path / "stage" / "profile")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    cmd = [
+        system_command("mpirun"),
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        sys.executable,
+        str(WORKERS / "comm_mpi.py"),
+        str(tmp_path / "stage" / "profile"),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     events = load_events(tmp_path / "stage")
     doubles = 1000 * 8
@@ -172,7 +212,9 @@ def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):
         parsed = parse_trace(tmp_path / "stage" / "profile" / f"trace-rank{rank}.json", stage="trace")
         recorded = [e for e in events if e["rank"] == rank]
         fields = ("phase", "op", "bytes", "dtype", "group_ranks", "seq")
-        assert [tuple(e[f] for f in fields) for e in parsed] == [tuple(e[f] for f in fields) for e in recorded]
+        assert [tuple(e[f] for f in fields) for e in parsed] == [
+            tuple(e[f] for f in fields) for e in recorded
+        ]
         # Same clock: the trace's base time is wall-clock. A different clock would be off by far more
         # than the 20 ms a loaded 2-core machine can put between the trace's stamp and ours.
         for p, r in zip(parsed, recorded):
@@ -182,13 +224,39 @@ def test_gloo_trace_parses_to_the_events_the_profiler_recorded(tmp_path):
 def test_commbench_writes_latency_and_bus_bandwidth_per_op_and_size(tmp_path):
     out = tmp_path / "commbench.json"
     # --nproc given explicitly: torchrun once refused it as an ambiguous prefix of its own option.
-    proc = subprocess.run([sys.executable, "-m", "launch.commbench", "--nproc", "2", "--sizes", "1K,64K", "--iters", "3",
-                           "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.commbench",
+            "--nproc",
+            "2",
+            "--sizes",
+            "1K,64K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     bench = json.loads(out.read_text())
     assert bench["world_size"] == 2 and bench["backend"] == "gloo"  # auto, on a node without GPUs
-    assert set(bench["results"]) == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"}
+    assert set(bench["results"]) == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "all_to_all",
+        "send_recv",
+    }
     for op, rows in bench["results"].items():
         assert [r["bytes"] for r in rows] == [1024, 65536]
         for r in rows:  # busbw = algbw * factor, algbw = S / latency
@@ -222,7 +290,11 @@ def test_a_stage_killed_without_warning_keeps_its_calls_up_to_the_last_flush(tmp
     proc = hpcr1_run(run_dir, "profile.flush_every_s=1", config=config, wait=False)
     metrics = run_dir / "stage1_sft" / "metrics.jsonl"
     deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and len(read_jsonl(metrics) if metrics.exists() else []) < 20:
+    while (
+        proc.poll() is None
+        and time.time() < deadline
+        and len(read_jsonl(metrics) if metrics.exists() else []) < 20
+    ):
         time.sleep(0.1)
     time.sleep(3)  # several flushes into the steps
     os.killpg(proc.pid, signal.SIGKILL)
@@ -234,7 +306,9 @@ def test_a_stage_killed_without_warning_keeps_its_calls_up_to_the_last_flush(tmp
     for rank in (0, 1):
         events = read_jsonl(run_dir / "stage1_sft" / "profile" / f"rank-{rank:05d}.jsonl")
         last = max(e["t_start"] for e in events)
-        assert last >= killed_at - 1 - 1.5, f"rank {rank}: last call kept {killed_at - last:.1f} s before the kill"
+        assert last >= killed_at - 1 - 1.5, (
+            f"rank {rank}: last call kept {killed_at - last:.1f} s before the kill"
+        )
         # The steps the profile covers reach the last ones metrics.jsonl logged (a 1 s interval is
         # several steps of this model, so allow for those).
         assert max(e["step"] for e in events) >= steps_logged - 30

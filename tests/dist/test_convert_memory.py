@@ -5,6 +5,7 @@ whole-tensor loader it replaced is measured too: it breaks the TP=2 bound, so th
 loader can fail. The same holds for the GRPO roles' FSDP2 load of a bf16 checkpoint into fp32
 (measured on 2 ranks: 173 MB a rank streamed, 357 MB whole then sharded, for a 334 MB fp32 model).
 How memory is measured, and why anonymous memory: the worker's docstring."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,18 @@ from tests.dist.workers.results import read_results
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 WORKER = REPO / "tests" / "dist" / "workers" / "convert_memory.py"
 # 87.6 M parameters; 6 layers of 11.8 M (13.5% of the model each), embedding and head 8.4 M each.
-CONFIG = LlamaConfig(vocab_size=8192, hidden_size=1024, num_hidden_layers=6, num_attention_heads=16,
-                     num_key_value_heads=8, intermediate_size=2816, max_position_embeddings=256,
-                     tie_word_embeddings=False, rms_norm_eps=1e-5, dtype="float32")
+CONFIG = LlamaConfig(
+    vocab_size=8192,
+    hidden_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    intermediate_size=2816,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    dtype="float32",
+)
 MB = 2**20
 
 
@@ -41,13 +51,24 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(hf_dir) -> dict:
     """{(check, tp, rank): {shard_bytes, anon, file}} as the ranks measured them."""
-    out = run_torchrun(WORKER, 2, str(hf_dir / "hf"), str(hf_dir), str(hf_dir / "hf-bf16"),
-                       env={"MALLOC_MMAP_THRESHOLD_": "131072"}).stdout
+    out = run_torchrun(
+        WORKER,
+        2,
+        str(hf_dir / "hf"),
+        str(hf_dir),
+        str(hf_dir / "hf-bf16"),
+        env={"MALLOC_MMAP_THRESHOLD_": "131072"},
+    ).stdout
     found = {}
     for item in read_results(out):
         found[item.pop("check"), item.pop("tp"), item.pop("rank")] = item
-    print(f"model {model_bytes(hf_dir) / MB:.0f} MB:",  # the figures, seen with pytest -s
-          {" ".join(map(str, k)): {n: round(v / MB) if n != "seconds" else round(v, 1) for n, v in r.items()} for k, r in found.items()})
+    print(
+        f"model {model_bytes(hf_dir) / MB:.0f} MB:",  # the figures, seen with pytest -s
+        {
+            " ".join(map(str, k)): {n: round(v / MB) if n != "seconds" else round(v, 1) for n, v in r.items()}
+            for k, r in found.items()
+        },
+    )
     return found
 
 
@@ -75,7 +96,9 @@ def test_whole_tensor_loader_breaks_the_tp2_bound(results, hf_dir, rank):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_grpo_roles_fsdp2_load_grows_a_rank_by_its_shard_and_the_whole_model_load_does_not(results, hf_dir, rank):
+def test_grpo_roles_fsdp2_load_grows_a_rank_by_its_shard_and_the_whole_model_load_does_not(
+    results, hf_dir, rank
+):
     model = model_bytes(hf_dir)  # in fp32, as the roles hold it
     streamed, whole = results["fsdp2_load", 2, rank], results["fsdp2_whole_load", 2, rank]
     assert streamed["shard_bytes"] == pytest.approx(model / 2, rel=0.02)

@@ -1,6 +1,7 @@
 """The GRPO roles' sharded load (each rank reads only its rows of each tensor, on 2 real ranks) gives
 exactly the weights and logits of transformers' own load of the whole model: uneven shards, bf16
 files split over several safetensors with an index, a tied head, Llama-3 RoPE scaling."""
+
 from __future__ import annotations
 
 import pytest

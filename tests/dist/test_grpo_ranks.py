@@ -3,6 +3,7 @@ global rollout batch (fed fixed, since sampling is per rank), whether FSDP2 resh
 forward or keeps the layers gathered, whether each layer or the whole model is an FSDP unit, whether
 DDP keeps the models whole on every rank instead, and whether the old log-probs are the actor's or
 the rollout's (verl's bypass mode: equal values, so the same update)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,19 @@ WORKER = REPO / "tests" / "dist" / "workers" / "grpo_step.py"
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("grpo-model")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64, pad_token_id=0, eos_token_id=1,
-                                 bos_token_id=None)).save_pretrained(path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=None,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -39,8 +50,12 @@ def one_rank(model_dir, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(model_dir, tmp_path_factory) -> dict[bool, dict]:
     """Keyed by reshard_after_forward."""
-    return {reshard: run_step(model_dir, tmp_path_factory.mktemp(f"reshard-{reshard}"), 2,
-                              f"reshard_after_forward={reshard}") for reshard in (True, False)}
+    return {
+        reshard: run_step(
+            model_dir, tmp_path_factory.mktemp(f"reshard-{reshard}"), 2, f"reshard_after_forward={reshard}"
+        )
+        for reshard in (True, False)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,36 +68,52 @@ def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, one_rank, two_ranks,
     assert_same_update(model_dir, one_rank, two_ranks[reshard_after_forward])
 
 
-def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(model_dir, one_rank, two_ranks_bypass):
+def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(
+    model_dir, one_rank, two_ranks_bypass
+):
     assert_same_update(model_dir, one_rank, two_ranks_bypass)
 
 
 def test_the_whole_model_as_one_fsdp_unit_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
     """With the embedded default's settings: one unit, kept gathered (shared prompts, no resharding
     between the backward's passes), the rollout's log-probs."""
-    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("one-unit"), 2, "fsdp_units=model",
-                         "reshard_after_forward=false", "old_log_probs=rollout")
+    two_ranks = run_step(
+        model_dir,
+        tmp_path_factory.mktemp("one-unit"),
+        2,
+        "fsdp_units=model",
+        "reshard_after_forward=false",
+        "old_log_probs=rollout",
+    )
     assert_same_update(model_dir, one_rank, two_ranks)
 
 
 def test_ddp_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
     """With the embedded default's settings: actor and reference whole on each rank (DDP), the
     rollout's log-probs; the 1-rank reference is FSDP2's."""
-    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("ddp"), 2, "data_parallel=ddp", "old_log_probs=rollout")
+    two_ranks = run_step(
+        model_dir, tmp_path_factory.mktemp("ddp"), 2, "data_parallel=ddp", "old_log_probs=rollout"
+    )
     assert_same_update(model_dir, one_rank, two_ranks)
     assert two_ranks["update_all_gathers"] == 0  # nothing is gathered: only the gradients are all-reduced
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_one_row_micro_batches_give_the_update_of_one_micro_batch(model_dir, two_ranks, reshard_after_forward,
-                                                                  tmp_path_factory):
+def test_one_row_micro_batches_give_the_update_of_one_micro_batch(
+    model_dir, two_ranks, reshard_after_forward, tmp_path_factory
+):
     """Each of a rank's 8 rows forwarded and differentiated on its own (gradients accumulated,
     FSDP2 reduce-scattering every backward) against one forward and backward of all 8: the same
     weights and statistics. With reshard_after_forward false, prompts are shared within a micro-batch
     and the layers stay gathered over the micro-batches."""
     whole = two_ranks[reshard_after_forward]
-    rows = run_step(model_dir, tmp_path_factory.mktemp(f"micro-{reshard_after_forward}"), 2, "micro_batch_size=1",
-                    f"reshard_after_forward={reshard_after_forward}")
+    rows = run_step(
+        model_dir,
+        tmp_path_factory.mktemp(f"micro-{reshard_after_forward}"),
+        2,
+        "micro_batch_size=1",
+        f"reshard_after_forward={reshard_after_forward}",
+    )
     diff = max((whole["weights"][k] - rows["weights"][k]).abs().max().item() for k in whole["weights"])
     print(f"max |micro 1 - micro 16| = {diff:.2e}")
     assert diff < 1e-5, diff  # Adam (lr 1e-2) magnifies the rounding of its smallest gradients
@@ -92,8 +123,9 @@ def test_one_row_micro_batches_give_the_update_of_one_micro_batch(model_dir, two
 def test_ddp_with_one_row_micro_batches_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
     """DDP skips the all-reduce (no_sync) in every micro-batch's backward but the last: the
     accumulated gradients are still averaged over the ranks, once."""
-    two_ranks = run_step(model_dir, tmp_path_factory.mktemp("ddp-micro"), 2, "data_parallel=ddp",
-                         "micro_batch_size=1")
+    two_ranks = run_step(
+        model_dir, tmp_path_factory.mktemp("ddp-micro"), 2, "data_parallel=ddp", "micro_batch_size=1"
+    )
     assert_same_update(model_dir, one_rank, two_ranks)
 
 

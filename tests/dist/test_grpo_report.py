@@ -2,6 +2,7 @@
 GRPO step, compares policy update, policy log-probs and reference log-probs side by side, and
 credits each FSDP2 phase with the bytes the model's parameters require (counted from the
 safetensors file, not from the profiler)."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,14 @@ def reported_run(tmp: Path, data_parallel: str) -> tuple[Path, str]:
     run = prepared_grpo_run(tmp, steps=STEPS, data_parallel=data_parallel)
     run_stage(run, "stage2_grpo")
     hpcr1 = Path(sys.executable).with_name("hpcr1")  # the installed console script, as a user runs it
-    proc = subprocess.run([str(hpcr1), "report", str(run.root)], cwd=tmp, env=hpcr1_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [str(hpcr1), "report", str(run.root)],
+        cwd=tmp,
+        env=hpcr1_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(run.root / "report" / "index.html")
     return run.base_model, (run.root / "report" / "report.md").read_text()
@@ -46,13 +53,18 @@ def reported_run(tmp: Path, data_parallel: str) -> tuple[Path, str]:
 
 def bytes_by_phase(md: str) -> dict[str, dict[str, float]]:
     header, *rows = markdown_table(md, "Communication bytes by phase and operation (per rank)")
-    return {row[0]: {op: size_bytes(cell) for op, cell in zip(header[1:], row[1:]) if cell != "0 B"} for row in rows}
+    return {
+        row[0]: {op: size_bytes(cell) for op, cell in zip(header[1:], row[1:]) if cell != "0 B"}
+        for row in rows
+    }
 
 
 def parameter_bytes(model_dir: Path, in_layers: bool) -> int:
     """fp32 bytes of the model's parameters: all of them, or only the decoder layers'."""
     with safe_open(model_dir / "model.safetensors", "pt") as f:
-        return sum(4 * math.prod(f.get_slice(n).get_shape()) for n in f.keys() if not in_layers or ".layers." in n)
+        return sum(
+            4 * math.prod(f.get_slice(n).get_shape()) for n in f.keys() if not in_layers or ".layers." in n
+        )
 
 
 def size_bytes(cell: str) -> float:
@@ -112,6 +124,8 @@ def test_ddp_moves_only_each_mini_batchs_gradients(ddp_report):
     model_dir, md = ddp_report
     moved = bytes_by_phase(md)
     grads = STEPS * MINI_BATCHES * parameter_bytes(model_dir, in_layers=False)
-    assert {op for op, size in moved["policy_update"].items() if size > 1024} == {"all_reduce"}, moved["policy_update"]
+    assert {op for op, size in moved["policy_update"].items() if size > 1024} == {"all_reduce"}, moved[
+        "policy_update"
+    ]
     assert grads / 1.01 <= moved["policy_update"]["all_reduce"] <= grads * 1.01 + 1024
     assert not {"weight_sync", "reference_logprob", "policy_logprob", "rollout"} & set(moved), sorted(moved)

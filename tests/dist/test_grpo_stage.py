@@ -3,6 +3,7 @@ metrics.jsonl, a Hugging Face final/ and eval.json, and a resumed run that repea
 exactly (prompt order and sampling seeds come from (seed, step, rank), weights and optimizer state
 from the checkpoint; the prompt selection is kept, not sampled again), with the models sharded
 (FSDP2) or whole on each rank (DDP)."""
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,38 @@ import sys
 import pytest
 
 from core.config import load_config
-from pipeline.driver import prepare_run
 from core.rundir import RunDir
+from pipeline.driver import prepare_run
 from tests.conftest import REPO, free_port
 
 pytestmark = pytest.mark.dist
-PHASES = ("weight_sync", "rollout", "reward", "policy_logprob", "reference_logprob", "advantage", "policy_update")
-ROWS, MAX_NEW_TOKENS = 4 * 2, 24  # prepared_grpo_run: a step's prompts x group size over both ranks; the budget
+PHASES = (
+    "weight_sync",
+    "rollout",
+    "reward",
+    "policy_logprob",
+    "reference_logprob",
+    "advantage",
+    "policy_update",
+)
+ROWS, MAX_NEW_TOKENS = (
+    4 * 2,
+    24,
+)  # prepared_grpo_run: a step's prompts x group size over both ranks; the budget
 
 
 def run_stage(run: RunDir, stage_id: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "launch.worker", str(run.root), stage_id]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        "-m",
+        "launch.worker",
+        str(run.root),
+        stage_id,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     logs = "".join(p.read_text()[-3000:] for p in sorted(run.logs(stage_id).glob("rank-*.log")))
@@ -42,7 +63,9 @@ def assert_statistics_follow_from_grpo(step: dict, vocab_size: int) -> None:
     stage's own arithmetic: the base model never writes the <think>/<answer> tags, so no response
     earns a reward; every group's rewards are then equal, every advantage zero, and the policy
     gradient (and what it would clip) exactly zero."""
-    assert (step["reward/mean"], step["reward/std"], step["accuracy"], step["format_rate"]) == (0, 0, 0, 0), step
+    assert (step["reward/mean"], step["reward/std"], step["accuracy"], step["format_rate"]) == (0, 0, 0, 0), (
+        step
+    )
     assert step["actor/pg_loss"] == 0 and step["actor/clip_frac"] == 0, step
     assert step["actor/kl"] >= 0, step  # low_var_kl is never negative
     tokens = step["response_length/mean"] * ROWS  # a mean over all the step's rows: a whole number of tokens
@@ -52,15 +75,19 @@ def assert_statistics_follow_from_grpo(step: dict, vocab_size: int) -> None:
     assert 0 < phases <= step["step_time_s"], step
 
 
-def prepared_grpo_run(tmp_path, steps: int, data_parallel: str = "fsdp2", max_pass_rate: float = 1.0) -> RunDir:
+def prepared_grpo_run(
+    tmp_path, steps: int, data_parallel: str = "fsdp2", max_pass_rate: float = 1.0
+) -> RunDir:
     """A run directory with the base model and data of a small stage2_grpo (profile on), not yet run."""
     config = tmp_path / "cfg.yaml"
-    config.write_text("name: grpo\nseed: 2\nwandb: {mode: disabled}\nprofile: {comm: true}\n"
-                      "data: {arithmetic: {sft_size: 16, prompts_size: 16, eval_size: 4}}\n"
-                      "eval: {num_examples: 4, max_new_tokens: 16, batch_size: 4}\n"
-                      f"stage2_grpo: {{init_from: base, steps: {steps}, prompts_per_step: 4, group_size: 2, "
-                      f"max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2, data_parallel: {data_parallel}, "
-                      f"max_pass_rate: {max_pass_rate}}}\n")
+    config.write_text(
+        "name: grpo\nseed: 2\nwandb: {mode: disabled}\nprofile: {comm: true}\n"
+        "data: {arithmetic: {sft_size: 16, prompts_size: 16, eval_size: 4}}\n"
+        "eval: {num_examples: 4, max_new_tokens: 16, batch_size: 4}\n"
+        f"stage2_grpo: {{init_from: base, steps: {steps}, prompts_per_step: 4, group_size: 2, "
+        f"max_new_tokens: 24, mini_batches: 2, checkpoint_every: 2, data_parallel: {data_parallel}, "
+        f"max_pass_rate: {max_pass_rate}}}\n"
+    )
     run = RunDir(tmp_path / "run")
     prepare_run(load_config(config), run, tmp_path)
     return run

@@ -1,7 +1,9 @@
 """The whole pipeline killed with SIGKILL (driver, torchrun and ranks) inside a step of three stages,
 each time after a checkpoint so that resuming repeats steps, and resumed with `hpcr1 run`: the
 weights of every stage and the synthetic data equal an uninterrupted run's byte for byte, each
-step is logged once, and no rank outlives a kill. The harness is bench/kill_anywhere.py's, at three chosen points."""
+step is logged once, and no rank outlives a kill. The harness is bench/kill_anywhere.py's, at three
+chosen points."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,6 +28,8 @@ def test_killed_pipeline_resumes_to_the_uninterrupted_weights(tmp_path):
     hit, outlived = kill_and_resume(tmp_path / "killed", overrides, points, tmp_path)
     run_to_end(tmp_path / "killed", overrides, tmp_path / "final-resume.log")
 
-    assert hit == ["stage1_sft", "stage2_grpo", "stage3_sft"], "a kill missed its stage: nothing was tested there"
+    assert hit == ["stage1_sft", "stage2_grpo", "stage3_sft"], (
+        "a kill missed its stage: nothing was tested there"
+    )
     assert outlived == 0, "ranks outlived the SIGKILL of `hpcr1 run`'s process group"
     assert verdict(tmp_path / "uninterrupted", tmp_path / "killed")

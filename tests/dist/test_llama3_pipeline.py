@@ -107,9 +107,10 @@ def test_sft_stages_record_what_max_seq_len_cut(run):
         assert 0 < data["longest_prompt"] < data["longest"] <= 160
     assert stages["stage1_sft"]["training_data"]["examples"] == 32
     assert stages["stage3_sft"]["training_data"]["examples"] == stages["stage3_synth"]["eval"]["kept"]
-    assert "examples, 0 longer than stage1_sft.max_seq_len=160 truncated" in (
-        run / "stage1_sft" / "logs" / "rank-00000.log"
-    ).read_text()
+    assert (
+        "examples, 0 longer than stage1_sft.max_seq_len=160 truncated"
+        in (run / "stage1_sft" / "logs" / "rank-00000.log").read_text()
+    )
 
 
 def test_a_max_seq_len_that_leaves_no_response_is_refused_naming_it(run):

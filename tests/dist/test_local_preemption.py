@@ -3,6 +3,7 @@ torchrun: they checkpoint the step they are at and stop, `hpcr1 run` exits with 
 marks the stage pending (not failed), and the same command then resumes from that step. A USR1
 after the last step (export or evaluation) stops the stage too, and the next attempt exports and
 evaluates without training again."""
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,9 @@ def test_usr1_checkpoints_stops_and_resumes_where_it_stopped(tmp_path):
     assert proc.returncode == PREEMPTED_EXIT, output[-3000:]
     entry = json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"]
     assert (entry["state"], entry["preempted"]) == ("pending", 2)
-    assert re.search(r"stopping (before exporting|before evaluating|while evaluating) final/", log.read_text())
+    assert re.search(
+        r"stopping (before exporting|before evaluating|while evaluating) final/", log.read_text()
+    )
     assert not (run_dir / "stage1_sft" / "eval.json").exists()
 
     hpcr1_run(run_dir, *OVERRIDES)

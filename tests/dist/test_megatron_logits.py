@@ -5,6 +5,7 @@ export; and on CPU the RNG tracker's streams really switch. A model whose output
 its embedding (Llama 3.2 1B/3B), read from a directory with no lm_head.weight as transformers
 writes it, does the same at TP=2 and exports as tied; at PP=2 it is refused. One torchrun launch
 checks every layout (start-up, mostly imports, is most of the time)."""
+
 from __future__ import annotations
 
 import pytest

@@ -21,8 +21,16 @@ from tests.conftest import REPO, hpcr1_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 PIPELINED = ("ds-pp2-logits",)
-WHOLE = ("ds-bf16-z0", "ds-bf16-z1", "ds-bf16-z2", "ds-fp32-z1", "fsdp2", "fsdp2-offload", "fsdp2-logits",
-         "grpo-micro1")
+WHOLE = (
+    "ds-bf16-z0",
+    "ds-bf16-z1",
+    "ds-bf16-z2",
+    "ds-fp32-z1",
+    "fsdp2",
+    "fsdp2-offload",
+    "fsdp2-logits",
+    "grpo-micro1",
+)
 CASES = set(WHOLE) | {f"{case}/stage{stage}" for case in PIPELINED for stage in (0, 1)}
 
 

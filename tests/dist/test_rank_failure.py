@@ -2,6 +2,7 @@
 bound (none left blocked in a collective), and the manifest and `hpcr1 status` name that rank and
 how it failed. That the next `hpcr1 run` resumes such a failed stage from its checkpoint, to the
 uninterrupted run's losses and weights, is test_sft_stage.py's (beside its uninterrupted run)."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,14 @@ def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
     """The stage's manifest entry and `hpcr1 status` once the failed `hpcr1 run` has ended."""
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 1, out[-4000:]
-    status = subprocess.run([sys.executable, "-m", "pipeline.cli", "status", str(run_dir)], cwd=REPO,
-                            env=hpcr1_env(), capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "status", str(run_dir)],
+        cwd=REPO,
+        env=hpcr1_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"], status
 
 

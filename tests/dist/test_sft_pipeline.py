@@ -73,7 +73,9 @@ def expected_activation_bytes(run_dir: Path, dp_size: int) -> dict[tuple[int, in
         for dp_rank in range(dp_size):
             local = batch[dp_rank::dp_size]
             longest = max(len(s.input_ids) for s in local) - 1
-            out[dp_rank, step] = [sft.micro_batch_size * longest * hidden * 4] * (len(local) // sft.micro_batch_size)
+            out[dp_rank, step] = [sft.micro_batch_size * longest * hidden * 4] * (
+                len(local) // sft.micro_batch_size
+            )
     return out
 
 
@@ -87,7 +89,9 @@ def test_the_pipeline_moves_the_activations_and_their_gradients(runs):
         peer = rank + 2 if stage == 0 else rank - 2
         for step in range(1, 5):
             p2p = [
-                e for e in events if e["step"] == step and e["op"] in ("send", "recv") and e["phase"] != "export"
+                e
+                for e in events
+                if e["step"] == step and e["op"] in ("send", "recv") and e["phase"] != "export"
             ]
             assert {e["phase"] for e in p2p} == {"pipeline_p2p"} and {e["peer"] for e in p2p} == {peer}
             want = expected[dp_rank, step]

@@ -1,6 +1,7 @@
 """Stage 1 SFT through the real CLI on real ranks: parallel layouts give the losses of one rank,
 ZeRO stages agree, a stage that failed after a checkpoint resumes from it to the uninterrupted run's
 losses and weights, and a model whose output layer is tied to its embedding trains and exports tied."""
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,10 @@ def test_done_stage_is_skipped_on_rerun(runs):
     before = (run / "manifest.json").read_text()
     out = hpcr1_run(run)
     assert "skipped" in out.stdout
-    assert json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["attempts"] == \
-        json.loads(before)["stages"]["stage1_sft"]["attempts"]
+    assert (
+        json.loads((run / "manifest.json").read_text())["stages"]["stage1_sft"]["attempts"]
+        == json.loads(before)["stages"]["stage1_sft"]["attempts"]
+    )
 
 
 def test_bf16_with_zero2_tracks_fp32(runs):

@@ -1,6 +1,7 @@
 """A real weak-scaling sweep here: `hpcr1 sweep` runs stage 1 of the tiny model on 1, 2, 3 and 4
 ranks (gloo, oversubscribed), then `hpcr1 report` over the sweep has a scaling table and figure
 whose numbers are those of each run's metrics.jsonl, worked out again here."""
+
 from __future__ import annotations
 
 import json
@@ -16,16 +17,33 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 GPUS = (1, 2, 3, 4)
 PER_GPU_BATCH = 4
-SHRINK = ["stage1_sft.steps=4", "stage1_sft.micro_batch_size=4", "stage3_sft.micro_batch_size=4",
-          "stage1_sft.checkpoint_every=100", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
-          "model.tiny.ffn_hidden_size=128", "data.arithmetic.sft_size=256", "data.arithmetic.prompts_size=16",
-          "data.arithmetic.eval_size=8", "eval.num_examples=4", "eval.max_new_tokens=8", "wandb.mode=disabled"]
+SHRINK = [
+    "stage1_sft.steps=4",
+    "stage1_sft.micro_batch_size=4",
+    "stage3_sft.micro_batch_size=4",
+    "stage1_sft.checkpoint_every=100",
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_layers=2",
+    "model.tiny.ffn_hidden_size=128",
+    "data.arithmetic.sft_size=256",
+    "data.arithmetic.prompts_size=16",
+    "data.arithmetic.eval_size=8",
+    "eval.num_examples=4",
+    "eval.max_new_tokens=8",
+    "wandb.mode=disabled",
+]
 
 
 def hpcr1(*args: str) -> subprocess.CompletedProcess:
     # One thread a rank at every scale, so that one rank does not get the cores that four share.
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**hpcr1_env(), "OMP_NUM_THREADS": "1"}, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**hpcr1_env(), "OMP_NUM_THREADS": "1"},
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -33,8 +51,19 @@ def hpcr1(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep") / "tiny"
-    hpcr1("sweep", str(REPO / "configs" / "tiny-cpu.yaml"), "--gpus", ",".join(map(str, GPUS)), "--per-gpu-batch",
-          str(PER_GPU_BATCH), "--only", "stage1_sft", "--sweep-dir", str(root), *SHRINK)
+    hpcr1(
+        "sweep",
+        str(REPO / "configs" / "tiny-cpu.yaml"),
+        "--gpus",
+        ",".join(map(str, GPUS)),
+        "--per-gpu-batch",
+        str(PER_GPU_BATCH),
+        "--only",
+        "stage1_sft",
+        "--sweep-dir",
+        str(root),
+        *SHRINK,
+    )
     hpcr1("report", str(root))
     return root
 
@@ -43,7 +72,9 @@ def expected_throughput(run_dir) -> tuple[float, float]:
     """samples/s and tokens/s over every step but the first, from the batch size the run was
     configured with and the step times and token rates its metrics recorded."""
     batch = yaml.safe_load((run_dir / "config.yaml").read_text())["stage1_sft"]["global_batch_size"]
-    steps = [json.loads(line) for line in (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()][1:]
+    steps = [
+        json.loads(line) for line in (run_dir / "stage1_sft" / "metrics.jsonl").read_text().splitlines()
+    ][1:]
     seconds = sum(s["step_time_s"] for s in steps)
     return batch * len(steps) / seconds, sum(s["tokens_per_s"] * s["step_time_s"] for s in steps) / seconds
 
@@ -69,7 +100,10 @@ def test_scaling_table_has_a_row_per_scale_with_the_metrics_throughput(sweep):
         assert point["samples_per_s"] == pytest.approx(samples, rel=1e-9)
         assert point["tokens_per_s"] == pytest.approx(tokens, rel=1e-9)
         assert point["efficiency"] == pytest.approx((samples / n) / samples_1, rel=1e-9)
-        assert row[header.index("samples/s")] == f"{samples:.2f}" and row[header.index("tokens/s")] == f"{tokens:.1f}"
+        assert (
+            row[header.index("samples/s")] == f"{samples:.2f}"
+            and row[header.index("tokens/s")] == f"{tokens:.1f}"
+        )
 
 
 def test_comm_fraction_is_zero_on_one_rank_and_positive_on_more(sweep):

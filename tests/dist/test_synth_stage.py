@@ -3,6 +3,7 @@
 line's provenance names the stage 2 model and its checksum; ranks share the work dynamically; a
 USR1 stops the stage with its sampled batches kept, and the next attempt samples only the others,
 to the same dataset."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ import pytest
 
 from core.atomic import file_sha256, tree_checksums
 from core.config import load_config
-from pipeline.driver import prepare_run
 from core.rundir import RunDir
+from pipeline.driver import prepare_run
 from runtime.preemption import PREEMPTED_EXIT
 from tests.conftest import REPO, free_port, run_torchrun
 from tests.dist.test_rank_failure import wait_until
@@ -34,11 +35,13 @@ MAX_PER_PROMPT = 2
 def prepared_synth_run(root: Path) -> RunDir:
     """A run directory of stage3_synth (12 batches of 3 prompts) with the base model as stage 2's."""
     config = root / "cfg.yaml"
-    config.write_text("name: synth\nseed: 5\nwandb: {mode: disabled}\n"
-                      "data: {arithmetic: {sft_size: 16, prompts_size: 40, eval_size: 8}}\n"
-                      "stage2_grpo: {init_from: base}\n"
-                      f"stage3_synth: {{num_prompts: 36, samples_per_prompt: 4, max_per_prompt: {MAX_PER_PROMPT},"
-                      " batch_size: 3}\n")
+    config.write_text(
+        "name: synth\nseed: 5\nwandb: {mode: disabled}\n"
+        "data: {arithmetic: {sft_size: 16, prompts_size: 40, eval_size: 8}}\n"
+        "stage2_grpo: {init_from: base}\n"
+        f"stage3_synth: {{num_prompts: 36, samples_per_prompt: 4, max_per_prompt: {MAX_PER_PROMPT},"
+        " batch_size: 3}\n"
+    )
     run = RunDir(root / "run")
     prepare_run(load_config(config), run, root)
     shutil.copytree(run.base_model, run.final("stage2_grpo"))  # stands in for the stage 2 model
@@ -61,7 +64,10 @@ def test_synthetic_data_is_correct_distinct_capped_and_traced_to_stage2(synth_ru
         truth = sum(int(x) for x in row["prompt"].rstrip("=").split("+"))
         assert re.fullmatch(rf"<think>[ab]</think><answer>{truth}</answer>", row["response"]), row
         assert row["answer"] == str(truth) and row["id"].startswith(row["prompt_id"])
-        assert row["model"] == {"path": "stage2_grpo/final", "sha256": file_sha256(stage2_model / "model.safetensors")}
+        assert row["model"] == {
+            "path": "stage2_grpo/final",
+            "sha256": file_sha256(stage2_model / "model.safetensors"),
+        }
     assert max(Counter(r["prompt_id"] for r in rows).values()) <= MAX_PER_PROMPT
     assert len({(r["prompt_id"], r["response"]) for r in rows}) == len(rows), "duplicates were kept"
 
@@ -83,14 +89,25 @@ def test_synthetic_data_reads_back_as_examples(synth_run):
     examples = read_examples(path)
     assert rows, "nothing kept: nothing to read back"
     fields = ("id", "prompt", "answer", "response")
-    assert [tuple(getattr(ex, f) for f in fields) for ex in examples] == [tuple(r[f] for f in fields) for r in rows]
+    assert [tuple(getattr(ex, f) for f in fields) for ex in examples] == [
+        tuple(r[f] for f in fields) for r in rows
+    ]
 
 
 def start_preemptible(run: RunDir) -> subprocess.Popen:
     """The stage's ranks under launch.torchrun, as `hpcr1 run` starts them (it passes USR1 on)."""
     failures = run.logs("stage3_synth") / "torchrun-failures.json"
-    cmd = [sys.executable, "-m", "launch.torchrun", str(failures), "--nproc-per-node=2",
-           f"--master-port={free_port()}", str(PREEMPTIBLE), str(run.root), "stage3_synth"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.torchrun",
+        str(failures),
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        str(PREEMPTIBLE),
+        str(run.root),
+        "stage3_synth",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

@@ -32,7 +32,8 @@ import verl  # noqa: E402, F401  (pinned: a broken install must fail, not skip)
 
 GPUS = 2  # Ray's fake GPUs: the ranks of the CPU platform
 SMALL = [
-    "data.arithmetic={num_operands: 2, digits: 2, sft_size: 64, prompts_size: 16, eval_size: 8, validation_size: 1}",
+    "data.arithmetic={num_operands: 2, digits: 2, sft_size: 64, prompts_size: 16, eval_size: 8, "
+    "validation_size: 1}",
     "eval={num_examples: 8, max_new_tokens: 12, batch_size: 8}",
     "wandb.mode=offline",
     "stage2_grpo.init_from=base",
@@ -84,7 +85,8 @@ def test_greedy_answers_from_verls_replicas_are_hugging_faces_greedy_answers(ver
         "from core.rundir import RunDir; from launch.verl_job import _generate_on_verl; "
         "from stages.data.examples import read_examples; run = RunDir(Path(sys.argv[1])); "
         "cfg = load_resolved(run); ex = read_examples(run.task_file('eval'))[:8]; "
-        "print('ANSWERS', json.dumps(_generate_on_verl(cfg, run, 'stage2_grpo', run.base_model, ex, (1, 2), ())))"
+        "answers = _generate_on_verl(cfg, run, 'stage2_grpo', run.base_model, ex, (1, 2), ()); "
+        "print('ANSWERS', json.dumps(answers))"
     )
     out = subprocess.run([sys.executable, "-c", script, str(run.root)], env=verl_env, cwd=REPO,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -118,9 +120,11 @@ def rank_pid(log: Path, rank: int) -> int | None:
 def test_a_ray_worker_killed_mid_step_fails_the_stage_naming_it(verl_env, tmp_path):
     cfg, run = prepared_run(tmp_path)
     sid = "stage2_grpo"
-    stage = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "stage", str(run.root), sid], env=verl_env,
-                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)  # fmt: skip
+    stage = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "stage", str(run.root), sid],
+        env=verl_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
         log, metrics = run.logs(sid) / "rank-00000.log", run.stage(sid) / "verl_metrics" / "attempt-001.jsonl"

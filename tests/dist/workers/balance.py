@@ -1,5 +1,6 @@
 """Worker: each rank holds a rollout batch of its own prompt and response widths, rank 1's responses
 far longer; writes its rows before and after balance_across_ranks. argv = OUT_DIR."""
+
 from __future__ import annotations
 
 import sys
@@ -27,9 +28,11 @@ def rank_batch(rank: int) -> DataProto:
     prompt_mask = (torch.arange(prompt_width) >= prompt_width - lengths[:, None]).long()
     responses = torch.randint(2, 30, (groups * GROUP, response_width), generator=g)
     for row, end in enumerate(torch.randint(0, response_width, (groups * GROUP,), generator=g).tolist()):
-        responses[row, end], responses[row, end + 1:] = EOS, 0
+        responses[row, end], responses[row, end + 1 :] = EOS, 0
     tensors = sequences(prompt * prompt_mask, prompt_mask, responses, EOS)
-    tensors["advantages"] = torch.randn(groups * GROUP, response_width, generator=g) * tensors["response_mask"]
+    tensors["advantages"] = (
+        torch.randn(groups * GROUP, response_width, generator=g) * tensors["response_mask"]
+    )
     uid = np.array([f"r{rank}p{row // GROUP}" for row in range(groups * GROUP)], dtype=object)
     return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uid}, meta_info={"temperature": 1.0})
 
@@ -40,8 +43,10 @@ def main(out_dir: Path) -> None:
     before = rank_batch(rank)
     after = balance_across_ranks(before, MINI_BATCHES, GROUP)
     for name, batch in (("before", before), ("after", after)):
-        torch.save({"tensors": dict(batch.batch.items()), "uid": list(batch.non_tensor_batch["uid"])},
-                   out_dir / f"{name}-{rank}.pt")
+        torch.save(
+            {"tensors": dict(batch.batch.items()), "uid": list(batch.non_tensor_batch["uid"])},
+            out_dir / f"{name}-{rank}.pt",
+        )
     shutdown_distributed()
 
 

@@ -1,5 +1,6 @@
 """Worker: a few steps of a small model under DeepSpeed ZeRO-1 (gloo) with DeepSpeed's own comms
 logger on, under our profiler; writes what the comms logger saw beside the profile."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ from runtime.dist import shutdown_distributed
 from runtime.phases import phase
 
 CONFIG = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 1,
     "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-    "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
     "comms_logger": {"enabled": True, "prof_all": True},
 }
 
@@ -37,8 +40,10 @@ def main(out_dir: str) -> None:
                 engine.backward(loss)
                 engine.step()
     # {record name: {message size: count}} as DeepSpeed logged it
-    seen = {name: {str(size): rec[0] for size, rec in sizes.items()}
-            for name, sizes in ds_comm.comms_logger.comms_dict.items()}
+    seen = {
+        name: {str(size): rec[0] for size, rec in sizes.items()}
+        for name, sizes in ds_comm.comms_logger.comms_dict.items()
+    }
     Path(out_dir, f"comms_logger-{rank}.json").write_text(json.dumps(seen))
     shutdown_distributed()
 

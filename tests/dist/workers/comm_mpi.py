@@ -1,5 +1,6 @@
 """Worker (under mpirun): the mpi4py calls the pipeline makes, through ProfiledComm, each in a
 phase named after it."""
+
 from __future__ import annotations
 
 import sys

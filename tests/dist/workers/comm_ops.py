@@ -1,6 +1,7 @@
 """Worker: every kind of torch.distributed call once, each in a phase named after it, under the
 profiler; then a few steps of DDP and of FSDP2 training. Writes the reference sizes beside the
 profile so the test can compare without importing the model."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed import all_reduce as all_reduce_imported_early  # a caller the profiler must still see
 import torch.distributed._functional_collectives as funcol
+from torch.distributed import all_reduce as all_reduce_imported_early  # a caller the profiler must still see
 from torch.distributed.fsdp import fully_shard
 
 from runtime.comm_profiler import CommProfiler
@@ -97,8 +98,11 @@ def main(out_dir: str) -> None:
         params = list(model().parameters())
         # FSDP2 shards dim 0 evenly: each parameter is padded to a multiple of the world size there.
         padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() for p in params)
-        Path(out_dir, "reference.json").write_text(json.dumps({
-            "grad_bytes": sum(p.numel() * p.element_size() for p in params), "padded_grad_bytes": padded}))
+        Path(out_dir, "reference.json").write_text(
+            json.dumps(
+                {"grad_bytes": sum(p.numel() * p.element_size() for p in params), "padded_grad_bytes": padded}
+            )
+        )
     shutdown_distributed()
 
 

@@ -6,6 +6,7 @@ before it), so however late a loaded machine runs rank 0 up to there, rank 1 sti
 after it. Only a stall of rank 0 between writing its marker and entering the call, a few lines
 that take microseconds, eats into that lead: it would have to last DELAY_S to make rank 0 the
 straggler."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Worker: a few collectives in phases under torch.profiler AND the comm profiler at once; writes
 the chrome trace per rank so the parser's events can be compared with the recorded ones."""
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,10 @@ def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.ones(1000)
-    with CommProfiler(Path(out_dir), "trace", rank), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p:
+    with (
+        CommProfiler(Path(out_dir), "trace", rank),
+        profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p,
+    ):
         with phase("policy_update"):
             dist.all_reduce(x)
             dist.all_gather_into_tensor(torch.empty(1000 * world), x)

@@ -12,6 +12,7 @@ memory: the tensors a rank allocates. A thread samples it every millisecond; the
 keeps are alive for the rest of the measurement, so the peak cannot slip between samples. The
 test sets MALLOC_MMAP_THRESHOLD_ so that freed tensors go back to the kernel at once and one
 measurement does not inherit the heap of the one before."""
+
 import gc
 import sys
 import threading
@@ -85,12 +86,17 @@ def build(config):
 
 
 def shard_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor)
+    )
 
 
 def load_from_whole_tensors(model, hf_dir: Path, config) -> None:
     """The loader before streaming: whole HF tensors read one by one, cut into a shard dict, loaded."""
-    tp, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    tp, tp_size = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
     shard = hf_to_megatron(HFCheckpoint(hf_dir), config, tp, tp_size, 0, 1)
     model.load_state_dict(shard, strict=False)
 
@@ -101,7 +107,14 @@ def measure_load(tp: int, load, hf_dir: Path, config, check: str):
     with PeakGrowth() as m:
         model = build(config)
         load(model, hf_dir, config)
-    report(check, tp=tp, shard_bytes=shard_bytes(model), anon=m.grown(), file=m.grown("RssFile"), seconds=m.seconds)
+    report(
+        check,
+        tp=tp,
+        shard_bytes=shard_bytes(model),
+        anon=m.grown(),
+        file=m.grown("RssFile"),
+        seconds=m.seconds,
+    )
     return model
 
 
@@ -119,8 +132,14 @@ def measure_fsdp2_load(load, hf_dir: Path, check: str) -> None:
     with PeakGrowth() as m:
         model = load(hf_dir, trainable=False)
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    report(check, tp=dist.get_world_size(), shard_bytes=shard, anon=m.grown(), file=m.grown("RssFile"),
-           seconds=m.seconds)
+    report(
+        check,
+        tp=dist.get_world_size(),
+        shard_bytes=shard,
+        anon=m.grown(),
+        file=m.grown("RssFile"),
+        seconds=m.seconds,
+    )
 
 
 def main():

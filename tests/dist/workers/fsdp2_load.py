@@ -2,6 +2,7 @@
 and compares with transformers' own from_pretrained of the whole model: the gathered weights bit for
 bit, the logits, and which rows the rank read. Rank 0 prints every rank's findings as
 `RESULT {json}` lines. argv: OUT_DIR"""
+
 import sys
 from pathlib import Path
 
@@ -15,16 +16,37 @@ from stages.engines import fsdp2, state_dicts
 from tests.dist.workers.results import print_result
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
-BASE = dict(vocab_size=37, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
+BASE = dict(
+    vocab_size=37,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=97,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 VARIANTS = {
     # one fp32 file, separate head
     "fp32-untied": (LlamaConfig(**BASE, tie_word_embeddings=False), torch.float32, "1GB"),
     # bf16 in several files with an index (as real checkpoints ship), head tied to the embedding,
     # Llama-3 RoPE scaling (its frequencies are rebuilt, not read)
-    "bf16-tied-sharded": (LlamaConfig(**BASE, tie_word_embeddings=True, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}), torch.bfloat16, "20KB"),
+    "bf16-tied-sharded": (
+        LlamaConfig(
+            **BASE,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        torch.bfloat16,
+        "20KB",
+    ),
 }
 
 
@@ -36,7 +58,9 @@ def write_model(out: Path, config: LlamaConfig, dtype: torch.dtype, shard_size: 
 def compare(name: str, model_dir: Path) -> list[dict]:
     streamed = fsdp2.load_sharded(model_dir, trainable=True)
     # Before any forward: FSDP2 leaves the root unit's parameters unsharded after one.
-    local_rows = {k: p.to_local().shape[0] for k, p in streamed.named_parameters() if "embed" in k or "up_proj" in k}
+    local_rows = {
+        k: p.to_local().shape[0] for k, p in streamed.named_parameters() if "embed" in k or "up_proj" in k
+    }
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gathered = state_dicts.full_state_dict(streamed)
     expected = reference.state_dict()
@@ -46,16 +70,23 @@ def compare(name: str, model_dir: Path) -> list[dict]:
     # After the forward the root unit is still gathered and the layers are not: both must come out
     # whole, named as the module's parameters (a tied head is its embedding).
     with fsdp2.gathered_parameters(streamed) as whole:
-        unit_gathered_equal = (set(whole) == {k for k, _ in reference.named_parameters()}
-                               and all(torch.equal(whole[k], expected[k]) for k in whole))
+        unit_gathered_equal = set(whole) == {k for k, _ in reference.named_parameters()} and all(
+            torch.equal(whole[k], expected[k]) for k in whole
+        )
     resharded = all(isinstance(p, DTensor) for p in streamed.parameters())
-    return [{"variant": name, "check": "files", "value": len(list(model_dir.glob("*.safetensors")))},
-            {"variant": name, "check": "weights_equal",
-             "value": all(torch.equal(gathered[k], expected[k]) for k in gathered) and set(gathered) <= set(expected)},
-            {"variant": name, "check": "logits", "value": logits_diff},
-            {"variant": name, "check": "unit_gathered_equal", "value": unit_gathered_equal},
-            {"variant": name, "check": "resharded", "value": resharded},
-            {"variant": name, "check": "local_rows", "value": local_rows}]
+    return [
+        {"variant": name, "check": "files", "value": len(list(model_dir.glob("*.safetensors")))},
+        {
+            "variant": name,
+            "check": "weights_equal",
+            "value": all(torch.equal(gathered[k], expected[k]) for k in gathered)
+            and set(gathered) <= set(expected),
+        },
+        {"variant": name, "check": "logits", "value": logits_diff},
+        {"variant": name, "check": "unit_gathered_equal", "value": unit_gathered_equal},
+        {"variant": name, "check": "resharded", "value": resharded},
+        {"variant": name, "check": "local_rows", "value": local_rows},
+    ]
 
 
 def main(out_dir: str) -> None:

@@ -2,6 +2,7 @@
 old_log_probs=rollout, holding the starting model's log-probs as the rollout's):
 argv = MODEL_DIR OUT_FILE [KEY=VALUE ...] (settings of the stage, YAML values). Rank 0 saves the updated full
 weights to OUT_FILE, with the all-gathers its update made."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 from verl.protocol import DataProto
 
+from core.config import GRPOStage
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
-from core.config import GRPOStage
 from stages.grpo.actor import Actor
 from stages.grpo.logprobs import response_log_probs
 from stages.grpo.prompts import rank_share
@@ -27,8 +28,9 @@ from stages.grpo.rollout import sequences
 from stages.grpo.trainer import Roles, learn_from
 
 PAD, EOS, VOCAB = 0, 1, 32
-STAGE = GRPOStage(prompts_per_step=8, group_size=4, mini_batches=2, ppo_epochs=2, lr=1e-2, kl_coef=0.1,
-                  clip_ratio=0.2)
+STAGE = GRPOStage(
+    prompts_per_step=8, group_size=4, mini_batches=2, ppo_epochs=2, lr=1e-2, kl_coef=0.1, clip_ratio=0.2
+)
 
 
 def fixed_global_batch() -> DataProto:
@@ -44,13 +46,18 @@ def fixed_global_batch() -> DataProto:
     ends = torch.randint(1, 7, (rows,), generator=g)
     for row, end in enumerate(ends.tolist()):
         responses[row, end] = EOS
-        responses[row, end + 1:] = PAD
+        responses[row, end + 1 :] = PAD
     texts = ["<think>x</think><answer>1</answer>", "<answer>1</answer>", "<answer>2</answer>", "1"]
-    non_tensors = {"uid": np.array([f"p{r // STAGE.group_size}" for r in range(rows)], dtype=object),
-                   "answer": np.array(["1"] * rows, dtype=object),
-                   "response_text": np.array([texts[r % len(texts)] for r in range(rows)], dtype=object)}
-    return DataProto.from_dict(tensors=sequences(prompt, prompt_mask, responses, EOS), non_tensors=non_tensors,
-                               meta_info={"temperature": 1.0})
+    non_tensors = {
+        "uid": np.array([f"p{r // STAGE.group_size}" for r in range(rows)], dtype=object),
+        "answer": np.array(["1"] * rows, dtype=object),
+        "response_text": np.array([texts[r % len(texts)] for r in range(rows)], dtype=object),
+    }
+    return DataProto.from_dict(
+        tensors=sequences(prompt, prompt_mask, responses, EOS),
+        non_tensors=non_tensors,
+        meta_info={"temperature": 1.0},
+    )
 
 
 def with_rollout_log_probs(batch: DataProto, model_dir: Path) -> DataProto:
@@ -67,14 +74,20 @@ def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
     stage = GRPOStage.model_validate({**STAGE.model_dump(), **updates})
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    prompts = rank_share(list(range(STAGE.prompts_per_step)), dist.get_rank(), dist.get_world_size(),
-                         STAGE.mini_batches)
-    mine = fixed_global_batch().select_idxs([p * STAGE.group_size + k for p in prompts
-                                             for k in range(STAGE.group_size)])
+    prompts = rank_share(
+        list(range(STAGE.prompts_per_step)), dist.get_rank(), dist.get_world_size(), STAGE.mini_batches
+    )
+    mine = fixed_global_batch().select_idxs(
+        [p * STAGE.group_size + k for p in prompts for k in range(STAGE.group_size)]
+    )
     if stage.old_log_probs == "rollout":
         mine = with_rollout_log_probs(mine, model_dir)
-    roles = Roles(actor=Actor(model_dir, stage), reference=Reference(model_dir, stage), rollout=None,
-                  reward=RuleReward(STAGE.format_reward))
+    roles = Roles(
+        actor=Actor(model_dir, stage),
+        reference=Reference(model_dir, stage),
+        rollout=None,
+        reward=RuleReward(STAGE.format_reward),
+    )
     profile = out_file.with_suffix(".profile")
     with CommProfiler(profile, "test", dist.get_rank()):
         stats = learn_from(roles, mine, iteration=1)
@@ -82,7 +95,9 @@ def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
         weights = {name: tensor.detach().clone() for name, tensor in gathered.items()}
     if dist.get_rank() == 0:
         events = [json.loads(line) for line in (profile / "rank-00000.jsonl").read_text().splitlines()]
-        update_gathers = sum(e["phase"] == "policy_update" and e["op"].startswith("all_gather") for e in events)
+        update_gathers = sum(
+            e["phase"] == "policy_update" and e["op"].startswith("all_gather") for e in events
+        )
         torch.save({"weights": weights, "stats": stats, "update_all_gathers": update_gathers}, out_file)
     shutdown_distributed()
 

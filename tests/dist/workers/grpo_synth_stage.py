@@ -1,6 +1,7 @@
 """stage3_synth on real ranks with the model's sampling replaced by a seeded stub that answers
 correctly, wrongly, malformed, or repeats itself (so the filter has something to reject), and
 that makes rank 0 slow (so the work queue has imbalance to absorb). argv = RUN_DIR."""
+
 from __future__ import annotations
 
 import sys
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from runtime.dist import init_distributed, shutdown_distributed
 from core.config import RunConfig
 from core.rundir import RunDir
-from stages import synth
 from runtime.context import StageContext
+from runtime.dist import init_distributed, shutdown_distributed
+from stages import synth
 
 
 def stub_responses(model, tokenizer, prompts, max_new_tokens, temperature, top_p):
@@ -25,9 +26,15 @@ def stub_responses(model, tokenizer, prompts, max_new_tokens, temperature, top_p
     for prompt in prompts:
         truth = sum(int(x) for x in prompt.rstrip("=").split("+"))
         kind = int(torch.randint(0, 5, ()))
-        out.append([f"<think>a</think><answer>{truth}</answer>", f"<think>b</think><answer>{truth}</answer>",
-                    f"<think>a</think><answer>{truth + 1}</answer>", f"<answer>{truth}</answer>",
-                    f"<think>a</think><answer>{truth}</answer>"][kind])
+        out.append(
+            [
+                f"<think>a</think><answer>{truth}</answer>",
+                f"<think>b</think><answer>{truth}</answer>",
+                f"<think>a</think><answer>{truth + 1}</answer>",
+                f"<answer>{truth}</answer>",
+                f"<think>a</think><answer>{truth}</answer>",
+            ][kind]
+        )
     return out
 
 

@@ -4,6 +4,7 @@ embedding at TP=2, megatron's logits, loss and gradients vs Hugging Face's on th
 the gathered shards converted back to the HF weights, the streamed export read back, and the RNG
 tracker's streams; the tied model at PP=2 is refused. Rank 0 prints every rank's findings as
 `RESULT {json}` lines (one writer: lines of concurrent ranks can interleave). argv: OUT_DIR"""
+
 import sys
 from pathlib import Path
 
@@ -21,9 +22,17 @@ from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
 from tests.dist.workers.results import print_result
 
-CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
-                     num_key_value_heads=4, intermediate_size=96, max_position_embeddings=64,
-                     tie_word_embeddings=False, rms_norm_eps=1e-5)
+CONFIG = LlamaConfig(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+)
 TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})  # as Llama 3.2 1B/3B
 SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
 LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
@@ -51,14 +60,20 @@ def make_batch():
 
 
 def micro_batches(*tensors) -> list[tuple]:
-    return [tuple(t[i * MICRO_BATCH:(i + 1) * MICRO_BATCH] for t in tensors) for i in range(MICRO_BATCHES)]
+    return [tuple(t[i * MICRO_BATCH : (i + 1) * MICRO_BATCH] for t in tensors) for i in range(MICRO_BATCHES)]
 
 
 def run_schedule(model, step, batches: list, forward_only: bool) -> list:
     """megatron's schedule (1F1B at PP>1) over the micro-batches; what the last stage collected."""
-    return get_forward_backward_func()(forward_step_func=step, data_iterator=iter(batches),
-                                       model=[model], num_microbatches=MICRO_BATCHES, seq_length=SEQ,
-                                       micro_batch_size=MICRO_BATCH, forward_only=forward_only)
+    return get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=forward_only,
+    )
 
 
 def megatron_logits(model, ids) -> torch.Tensor | None:
@@ -142,21 +157,33 @@ def check_rng_streams(layout: str) -> None:
     dist.all_gather_object(draws, (first, second, torch.rand(4)))
     if dist.get_rank() == 0:
         (a1, a2, a_default), (b1, _, b_default) = draws
-        report(layout, "rng", {"tp_ranks_differ": not torch.equal(a1, b1), "advances": not torch.equal(a1, a2),
-                               "default_equal": torch.equal(a_default, b_default)})
+        report(
+            layout,
+            "rng",
+            {
+                "tp_ranks_differ": not torch.equal(a1, b1),
+                "advances": not torch.equal(a1, a2),
+                "default_equal": torch.equal(a_default, b_default),
+            },
+        )
 
 
 def gather_shards(local: dict[str, torch.Tensor]) -> list[list[dict]] | None:
     """Every (pp, tp) rank's `local` dict of data-parallel replica 0 on global rank 0, as
     shards[pp_rank][tp_rank] (None elsewhere): the whole model at once, as megatron_to_hf takes it."""
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank(),
-            {k: v.detach().cpu() for k, v in local.items() if not k.endswith("_extra_state")})
+    mine = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        {k: v.detach().cpu() for k, v in local.items() if not k.endswith("_extra_state")},
+    )
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if parallel_state.get_data_parallel_rank() == 0 else None, gathered, dst=0)
     if gathered is None:
         return None
-    shards = [[None] * parallel_state.get_tensor_model_parallel_world_size()
-              for _ in range(parallel_state.get_pipeline_model_parallel_world_size())]
+    shards = [
+        [None] * parallel_state.get_tensor_model_parallel_world_size()
+        for _ in range(parallel_state.get_pipeline_model_parallel_world_size())
+    ]
     for pp, tp, state in filter(None, gathered):
         shards[pp][tp] = state
     return shards
@@ -181,13 +208,19 @@ def check_layout(layout: str, config: LlamaConfig, tp: int, pp: int, hf_dir: Pat
     if shards is not None:
         report(layout, "grads", max_relative_grad_diff(megatron_to_hf(grads, config), hf))
         back, expected = megatron_to_hf(shards, config), hf_weights(hf)
-        report(layout, "gather_exact", back.keys() == expected.keys() and all(
-            torch.equal(back[k], v) for k, v in expected.items()))
+        report(
+            layout,
+            "gather_exact",
+            back.keys() == expected.keys() and all(torch.equal(back[k], v) for k, v in expected.items()),
+        )
     export_megatron_to_hf(model, config, out / layout, max_shard_bytes=SHARD_BYTES)
     if dist.get_rank() == 0:
         back, expected = read_hf_weights(out / layout), hf_weights(hf)
-        report(layout, "export_exact", back.keys() == expected.keys() and all(
-            torch.equal(back[k], v) for k, v in expected.items()))
+        report(
+            layout,
+            "export_exact",
+            back.keys() == expected.keys() and all(torch.equal(back[k], v) for k, v in expected.items()),
+        )
         check_export_loads_in_hf(layout, out / layout, hf_logits, ids, real)
     if tp > 1:
         check_rng_streams(layout)
@@ -199,8 +232,14 @@ def check_export_loads_in_hf(layout: str, exported: Path, hf_logits, ids, real) 
     hf = AutoModelForCausalLM.from_pretrained(exported)
     with torch.no_grad():
         logits = hf(input_ids=ids).logits
-    report(layout, "hf_reload", {"tied": hf.lm_head.weight is hf.model.embed_tokens.weight,
-                                 "logits": max_diff_at_real_tokens(logits, hf_logits, real)})
+    report(
+        layout,
+        "hf_reload",
+        {
+            "tied": hf.lm_head.weight is hf.model.embed_tokens.weight,
+            "logits": max_diff_at_real_tokens(logits, hf_logits, real),
+        },
+    )
 
 
 def check_tied_pipeline_refused() -> None:
@@ -223,8 +262,11 @@ def main():
         # as transformers writes a tied checkpoint: no lm_head.weight
         hf_model(TIED).save_pretrained(out / "hf-tied", max_shard_size=SHARD_BYTES)
     dist.barrier()
-    for layout, config, tp, pp, hf_dir in (("tp2pp1", CONFIG, 2, 1, "hf"), ("tp1pp2", CONFIG, 1, 2, "hf"),
-                                           ("tied-tp2pp1", TIED, 2, 1, "hf-tied")):
+    for layout, config, tp, pp, hf_dir in (
+        ("tp2pp1", CONFIG, 2, 1, "hf"),
+        ("tp1pp2", CONFIG, 1, 2, "hf"),
+        ("tied-tp2pp1", TIED, 2, 1, "hf-tied"),
+    ):
         check_layout(layout, config, tp, pp, out / hf_dir, out)
     check_tied_pipeline_refused()
     print_findings_on_rank0()

@@ -1,4 +1,5 @@
 """The `RESULT {json}` lines a worker prints and its test reads back."""
+
 from __future__ import annotations
 
 import json

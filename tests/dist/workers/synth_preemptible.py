@@ -1,6 +1,7 @@
 """stage3_synth as a stage's rank runs it (launch.worker: preemption handlers, PREEMPTED_EXIT), with
 the model's sampling replaced by grpo_synth_stage.py's seeded stub, slowed down on every rank so
 that a test's USR1 lands with batches sampled and batches left. argv = RUN_DIR STAGE_ID."""
+
 from __future__ import annotations
 
 import time

@@ -2,6 +2,7 @@
 own FSDPCheckpointManager exactly where verl's actor saves it (CKPT/global_step_N/actor), plus
 `latest_checkpointed_iteration.txt`. Rank 0 also writes the full weights gathered by
 torch.distributed's own API (expected.pt), the reference the merged final/ is compared with."""
+
 from __future__ import annotations
 
 import sys
@@ -32,10 +33,13 @@ def main(model_dir: str, ckpt_root: str, step: int) -> None:
         for p in model.parameters():
             p.to_local().add_(0.05 * torch.randn_like(p.to_local()))
     expected = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    manager = FSDPCheckpointManager(model, optimizer=None, lr_scheduler=None,
-                                    processing_class=AutoTokenizer.from_pretrained(model_dir),
-                                    checkpoint_config=OmegaConf.create({"save_contents": ["model"],
-                                                                        "load_contents": ["model"]}))
+    manager = FSDPCheckpointManager(
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        checkpoint_config=OmegaConf.create({"save_contents": ["model"], "load_contents": ["model"]}),
+    )
     manager.save_checkpoint(str(Path(ckpt_root) / f"global_step_{step}" / "actor"), global_step=step)
     dist.barrier()
     if dist.get_rank() == 0:
