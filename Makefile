@@ -99,10 +99,10 @@ lint: setup
 # Starts the local single-node Slurm the tests in tests/slurm submit to.
 test: lint system-packages
 	slurm/local/start.sh
-	$(PY) -m pytest -q $(XDIST) -m "not verl_chain" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
-# verl's own trainer and generation through the five-stage chain and across two nodes, on the CPU
-# platform (not in `make test` yet: with them the suite took 60 min in 3 workers).
+# Only verl's own trainer and generation through the five-stage chain and across two nodes, on the
+# CPU platform (part of `make test` too).
 test-verl: lint system-packages
 	slurm/local/start.sh
 	$(PY) -m pytest -q -m verl_chain $(PYTEST_ARGS)
