@@ -14,29 +14,10 @@ from stages.models.hf_files import INDEX, HFCheckpoint, HFDirWriter, TensorSpec,
 from stages.models.megatron_llama import transformer_config_from_hf, validate_parallel_layout
 from stages.models.tiny import build_tiny_llama
 from tests.conftest import free_port
+from tests.support.llama_configs import GQA_LLAMA, GQA_LLAMA_TIED, llama3_rope
 
-# GQA with every layout below valid: 8 heads, 4 KV heads, vocab and FFN divisible by 4.
-CONFIG = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=96,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-)
-TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})  # Llama 3.2 1B/3B's head
-# Llama 3.1's RoPE scaling, with a base large enough that the scaling changes the low frequencies.
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
+CONFIG, TIED = GQA_LLAMA, GQA_LLAMA_TIED
+LLAMA3_ROPE = llama3_rope(8192)
 
 
 def random_llama(config: LlamaConfig) -> LlamaForCausalLM:

@@ -25,6 +25,7 @@ from stages.generation import (
     read_layers,
 )
 from stages.models.tiny import build_tiny_llama
+from tests.support.llama_configs import llama3_rope
 
 VOCAB, PAD = 32, 0
 
@@ -77,14 +78,7 @@ def our_new_tokens(model, prompt_ids, max_new_tokens, eos_id, temperature=0.0, t
     return decode(model, input_ids, attention, max_new_tokens, eos_id, PAD, temperature, top_p)
 
 
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
+LLAMA3_ROPE = llama3_rope(16)
 
 
 @pytest.mark.parametrize(

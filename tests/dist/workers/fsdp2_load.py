@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2, state_dicts
 from tests.dist.workers.results import print_result
+from tests.support.llama_configs import llama3_rope
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
 BASE = dict(
@@ -35,14 +36,7 @@ VARIANTS = {
         LlamaConfig(
             **BASE,
             tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16,
-            },
+            rope_parameters=llama3_rope(16),
         ),
         torch.bfloat16,
         "20KB",

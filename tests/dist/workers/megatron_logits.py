@@ -21,19 +21,9 @@ from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, 
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
 from tests.dist.workers.results import print_result
+from tests.support.llama_configs import GQA_LLAMA, GQA_LLAMA_TIED
 
-CONFIG = LlamaConfig(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=96,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-)
-TIED = LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True})  # as Llama 3.2 1B/3B
+CONFIG, TIED = GQA_LLAMA, GQA_LLAMA_TIED
 SEQ, MICRO_BATCH, MICRO_BATCHES = 16, 2, 2
 LENGTHS = [16, 11, 6, 14]  # right padding; loss and comparisons only on real tokens
 SHARD_BYTES = 50_000  # several files and an index, as a big model's directory has
