@@ -59,17 +59,14 @@ def hold_run_dir(path: Path, echo=print, wait_s: float = 0.0):
 
 def holder_after(path: Path, wait_s: float) -> str | None:
     """Waits up to `wait_s` for the run directory to be let go; returns who still holds it then, or
-    None once it is free. It takes nothing: the lock is released at once."""
+    None once it is free (or where the file system cannot lock: nothing holds it then). It takes
+    nothing: the lock is released at once."""
     if not path.exists():
         return None
     fd = os.open(path, os.O_RDWR)
     try:
-        deadline = time.monotonic() + wait_s
-        while not _try_flock(fd):
-            if time.monotonic() >= deadline:
-                holder = _read(fd)
-                return _describe(holder) if holder else "another process"
-            time.sleep(0.2)
+        return None if _flock_by(fd, time.monotonic() + wait_s) else _holder(fd)
+    except OSError:
         return None
     finally:
         os.close(fd)
@@ -77,21 +74,31 @@ def holder_after(path: Path, wait_s: float) -> str | None:
 
 def _acquire(fd: int, path: Path, echo, deadline: float) -> None:
     try:
-        while not _try_flock(fd):
-            if time.monotonic() >= deadline:
-                holder = _read(fd)
-                who = _describe(holder) if holder else "another process (it has not written its name yet)"
-                raise RunDirBusy(
-                    f"run directory {path.parent} is in use by {who}, or by the ranks it started; "
-                    f"wait for it to end or stop it, then run again"
-                )
-            time.sleep(0.1)
+        if not _flock_by(fd, deadline):
+            raise RunDirBusy(
+                f"run directory {path.parent} is in use by {_holder(fd)}, or by the ranks it started; "
+                f"wait for it to end or stop it, then run again"
+            )
     except OSError as e:
         # Some parallel file systems are mounted without lock support: run, but say what is lost.
         echo(
             f"hpcr1: warning: cannot lock {path} ({e.strerror}); a second run on this directory "
             f"would not be refused"
         )
+
+
+def _flock_by(fd: int, deadline: float) -> bool:
+    """Takes the flock, retrying until `deadline`; False if it is still held then."""
+    while not _try_flock(fd):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _holder(fd: int) -> str:
+    holder = _read(fd)
+    return _describe(holder) if holder else "another process (it has not written its name yet)"
 
 
 def _try_flock(fd: int) -> bool:

@@ -142,7 +142,7 @@ def cancel(run: RunDir, echo=print) -> list[str]:
     echo(f"cancelled {len(jobs)} job(s): {' '.join(jobs) or '-'}")
     # scancel returns before the jobs' processes end (Slurm's KillWait): wait, so that a resume
     # right after is not refused by the cancelled stage still holding the run directory.
-    holder = holder_after(run.lock, CANCEL_WAIT_S)
+    holder = holder_after(run.lock, CANCEL_WAIT_S) if jobs else None
     if holder:
         echo(
             f"hpcr1: warning: {holder} still holds {run.root} after {CANCEL_WAIT_S} s; "
