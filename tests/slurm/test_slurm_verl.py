@@ -77,7 +77,8 @@ def sealed_step(run: Path, sid: str) -> int:
     """The step of verl's newest complete checkpoint: it writes the step's folder first and this file
     once the folder is whole (a kill in between leaves the folder, torn)."""
     latest = run / sid / "ckpt" / "latest_checkpointed_iteration.txt"
-    return int(latest.read_text()) if latest.exists() and latest.read_text().strip() else 0
+    text = latest.read_text().strip() if latest.exists() else ""
+    return int(text) if text else 0
 
 
 def wait_state(
