@@ -1,6 +1,7 @@
 """Device memory per GPU as analysis/memory.py predicts it, against what the real engines hold, on
 2 ranks of the emulated accelerator (tests/fakegpu), whose ledger counts the device's live storages
-apart from host memory, so that CPU offload shows as device memory no longer there.
+apart from host memory, so that CPU offload shows as device memory no longer there. The cases run
+one after the other in one torchrun, each measured from what the device held before it.
 
     python bench/plan_vs_engines.py                     # every case: the table, exit 1 if one is off
     python bench/plan_vs_engines.py --case ds-bf16-z2   # some cases (repeat --case)
@@ -186,19 +187,28 @@ def figures(fp: Footprint, resident: tuple[str, ...], steps: tuple[str, ...]) ->
 
 
 # -- measurement (the worker, one a rank) -------------------------------------------------------------
-def worker(name: str, model_dir: Path) -> None:
+def worker(names: list[str], models: Path) -> None:
+    """Every case in turn in this one process (the ranks' start-up paid once). The few KiB a case
+    leaves on the device (DeepSpeed's and megatron's globals) stay live through the next one and
+    are taken off its figures: the ledger counts live storages, so that is exact."""
+    import gc
+
     import torch
 
     from runtime.dist import init_distributed, shutdown_distributed
     from tests.dist.workers.results import print_result
 
     init_distributed()
-    torch.accelerator.reset_peak_memory_stats()
-    case = CASES[name]
-    train = {"deepspeed": train_deepspeed, "fsdp2": train_fsdp2, "native": train_native}[case.engine]
-    measured = train(case, model_dir)
-    measured["peak"] = torch.accelerator.max_memory_allocated()
-    print_result({"rank": int(os.environ["RANK"]), **measured})
+    train = {"deepspeed": train_deepspeed, "fsdp2": train_fsdp2, "native": train_native}
+    for name in names:
+        gc.collect()
+        held = torch.accelerator.memory_allocated()
+        torch.accelerator.reset_peak_memory_stats()
+        case = CASES[name]
+        measured = train[case.engine](case, models / case.model)
+        measured["states"] -= held
+        measured["peak"] = torch.accelerator.max_memory_allocated() - held
+        print_result({"case": name, "rank": int(os.environ["RANK"]), "held_before": held, **measured})
     shutdown_distributed()
 
 
@@ -227,8 +237,10 @@ def train_deepspeed(case: Case, model_dir: Path) -> dict:
     tokens = case.batch * case.seq * case.micro_steps * RANKS // case.pp  # the step's, every replica's
     for step in range(STEPS):
         engine.train_step(batches[step * case.micro_steps : (step + 1) * case.micro_steps], tokens)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    return {"states": torch.accelerator.memory_allocated(), "host": 0, "stage": stage}
+    measured = {"states": torch.accelerator.memory_allocated(), "host": 0}
+    measured["stage"] = parallel_state.get_pipeline_model_parallel_rank()
+    engine.close()
+    return measured
 
 
 def train_fsdp2(case: Case, model_dir: Path) -> dict:
@@ -368,29 +380,32 @@ def write_model(directory: Path, spec: dict) -> LlamaShape:
     return shape_from_hf_config(directory / "config.json")
 
 
-def measure(name: str, model_dir: Path) -> list[dict]:
-    """The case on RANKS ranks of the emulated device: each rank's measurements."""
+def measure(names: list[str], models: Path) -> dict[str, list[dict]]:
+    """The cases on RANKS ranks of the emulated device, in one torchrun: {case: each rank's
+    measurements}."""
     from tests import fakegpu
     from tests.conftest import free_port
     from tests.dist.workers.results import read_results
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}"]
-    cmd += [f"--master-port={free_port()}", __file__, "--worker", name, "--model", str(model_dir)]
+    cmd += [f"--master-port={free_port()}", __file__, "--models", str(models)]
+    cmd += [arg for name in names for arg in ("--worker", name)]
     env = fakegpu.child_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    results = read_results(proc.stdout)
-    if proc.returncode != 0 or len(results) != RANKS:
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120 + 120 * len(names)
+    )
+    by_case = {name: [r for r in read_results(proc.stdout) if r["case"] == name] for name in names}
+    if proc.returncode != 0 or any(len(ranks) != RANKS for ranks in by_case.values()):
         raise RuntimeError(
-            f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"{names} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return results
+    return by_case
 
 
-def run_case(name: str, shapes: dict[str, LlamaShape], models: Path) -> list[dict]:
+def compare_case(name: str, shape: LlamaShape, ranks: list[dict]) -> list[dict]:
     """One comparison: each measurement's largest over the ranks; with pipeline stages, one a stage
     (their ranks hold different parts of the model)."""
-    case, shape = CASES[name], shapes[CASES[name].model]
-    ranks = measure(name, models / case.model)
+    case = CASES[name]
     if case.pp == 1:
         largest = {key: max(r[key] for r in ranks) for key in ("states", "host", "peak")}
         return [compare(name, predict(case, shape), largest)]
@@ -431,17 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="default: every case")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
-    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="append", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--models", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.model)
+        worker(args.worker, args.models)
         return 0
     names = args.case or list(CASES)
     with tempfile.TemporaryDirectory(prefix="plan-vs-engines-") as tmp:
         models = {CASES[n].model for n in names}
         shapes = {m: write_model(Path(tmp) / m, MODELS[m]) for m in sorted(models)}
-        results = [r for n in names for r in run_case(n, shapes, Path(tmp))]
+        measured = measure(names, Path(tmp))
+        results = [r for n in names for r in compare_case(n, shapes[CASES[n].model], measured[n])]
     print_table(results)
     if args.json:
         params = {m: shape.params() for m, shape in shapes.items()}

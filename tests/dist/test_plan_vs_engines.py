@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REPO, hpcr1_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.timeout(1800)]
 PIPELINED = ("ds-pp2-logits",)
 WHOLE = (
     "ds-bf16-z0",
