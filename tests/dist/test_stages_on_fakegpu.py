@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import fakegpu
-from tests.conftest import REPO, hpcr1_env, hpcr1_run
+from tests.conftest import REPO, hpcr1_env
 
 pytestmark = pytest.mark.dist
 SHORT_SFT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2")
@@ -40,8 +40,10 @@ GRPO_RESULTS = (
 )
 
 
-def on_device() -> dict[str, str]:
-    return fakegpu.child_env(hpcr1_env())
+def on_device(bound: bool = False) -> dict[str, str]:
+    """The emulated device's environment; `bound`: each rank sees only its own device, index 0, as
+    `srun --gpus-per-task=1` binds one GPU to each task (else a rank sees the node's 2)."""
+    return fakegpu.child_env(hpcr1_env()) | ({fakegpu.COUNT_VAR: "1"} if bound else {})
 
 
 def metrics(run_dir, stage_id: str) -> list[dict]:
@@ -49,13 +51,14 @@ def metrics(run_dir, stage_id: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def rank_log(run_dir, stage_id: str) -> str:
-    return (run_dir / stage_id / "logs" / "rank-00000.log").read_text()
+def rank_log(run_dir, stage_id: str, rank: int = 0) -> str:
+    return (run_dir / stage_id / "logs" / f"rank-{rank:05d}.log").read_text()
 
 
-def stage1(trained_runs, *overrides: str, device: bool):
-    """The session's shared stage-1 run of SHORT_SFT (and `overrides`), on the device or the CPU."""
-    return trained_runs.get(*SHORT_SFT, *overrides, env=on_device() if device else None)
+def stage1(trained_runs, *overrides: str, device: bool, bound: bool = True):
+    """The session's shared stage-1 run of SHORT_SFT (and `overrides`), on the CPU or on the device
+    (`bound`: each rank to its own)."""
+    return trained_runs.get(*SHORT_SFT, *overrides, env=on_device(bound) if device else None)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,8 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(trained_runs
     else:
         device, cpu = (stage1(trained_runs, device=on).path for on in (True, False))
         stages = ("stage1_sft",)
+    if kind == "sft":  # each rank bound to its own device sees it as index 0
+        assert "rank 1 of 2 on fakegpu:0" in rank_log(device, "stage1_sft", rank=1)
     for stage_id in stages:
         assert "on fakegpu:0" in rank_log(device, stage_id), "the ranks did not run on the emulated device"
         ours, reference = metrics(device, stage_id), metrics(cpu, stage_id)
@@ -105,7 +110,9 @@ def test_pipeline_stages_on_the_device_train_as_one_stage_does(trained_runs):
     the emulated devices (send/recv completing when waited for, as NCCL's), and every step's loss
     equals that of PP=1, whose ranks split the batch instead."""
     one = metrics(stage1(trained_runs, device=True).path, "stage1_sft")
-    two = metrics(stage1(trained_runs, "stage1_sft.parallel.pp=2", device=True).path, "stage1_sft")
+    pipelined = stage1(trained_runs, "stage1_sft.parallel.pp=2", device=True, bound=False).path
+    assert "rank 1 of 2 on fakegpu:1" in rank_log(pipelined, "stage1_sft", rank=1)  # the node's second
+    two = metrics(pipelined, "stage1_sft")
     sent = ["phase_time/pipeline_p2p" in m for m in one + two]
     assert sent == [False] * len(one) + [True] * len(two)  # only PP=2 has stages to send between
     assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=0, abs=1e-5)
@@ -126,14 +133,6 @@ def test_commbench_runs_on_the_device_with_its_backend(tmp_path):
     bench = json.loads(out.read_text())
     assert bench["backend"] == "fakeccl" and bench["world_size"] == 2
     assert all(r["latency_us"] > 0 for rows in bench["results"].values() for r in rows)
-
-
-def test_sft_runs_where_each_rank_sees_only_its_own_device(tmp_path):
-    """`srun --gpus-per-task=1` binds one GPU to each task: every rank sees one device, index 0."""
-    env = {**on_device(), "HPCR1_FAKEGPU_DEVICES": "1"}
-    run_dir = tmp_path / "bound"
-    hpcr1_run(run_dir, *SHORT_SFT, "--only", "stage1_sft", env=env)
-    assert "rank 1 of 2 on fakegpu:0" in (run_dir / "stage1_sft" / "logs" / "rank-00001.log").read_text()
 
 
 # A task stage 1 learns the format of in 60 steps (about 0.8 of its answers well-formed), and a GRPO
