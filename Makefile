@@ -5,9 +5,9 @@ PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
 # TEST_WORKERS=3 runs the tests in 3 pytest-xdist workers (tests/conftest.py keeps a module, or the
-# modules sharing a service, in one; the longest go first). Not the default: one process is the
-# configuration measured green whole (70% of 2 cores busy); under 3 workers the planner-vs-engines
-# fixture passed pytest's 900 s beside verl's Ray: bench/RESULTS.md has the figures.
+# modules sharing a service, in one; the longest go first). Not the default: on 2 vCPUs two busy
+# processes each run over twice as slow as one alone, so 2 workers took 74 min where one process
+# takes 62, and 3 failed under load: bench/RESULTS.md has the figures.
 TEST_WORKERS ?= 1
 XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
