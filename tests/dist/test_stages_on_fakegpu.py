@@ -85,7 +85,7 @@ def test_stages_run_on_the_device_and_compute_what_the_cpu_computes(trained_runs
     else:
         device, cpu = (stage1(trained_runs, device=on).path for on in (True, False))
         stages = ("stage1_sft",)
-    if kind == "sft":  # each rank bound to its own device sees it as index 0
+        # each rank bound to its own device sees it as index 0
         assert "rank 1 of 2 on fakegpu:0" in rank_log(device, "stage1_sft", rank=1)
     for stage_id in stages:
         assert "on fakegpu:0" in rank_log(device, stage_id), "the ranks did not run on the emulated device"
