@@ -7,9 +7,15 @@ says what is missing. Run by slurm/templates/verl_stage.sbatch:
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import sys
 import time
+
+# The srun steps that hold this job's Ray nodes (verl_stage.sbatch names them): children of the driver,
+# which the batch shell became by exec.
+RAY_STEPS_ENV = "HPCR1_RAY_STEPS"
 
 
 def auth_env() -> dict[str, str]:
@@ -61,6 +67,28 @@ def wait_for_nodes(
             time.sleep(poll_s)
     finally:
         ray.shutdown()
+
+
+def end_ray_steps(timeout_s: float = 60.0, poll_s: float = 0.2) -> None:
+    """Ends the job's Ray steps before the job ends: SIGTERM to their sruns, which cancel the steps and
+    wait for them (Ray stops in ~3 s). Left running, a step outlives the batch script with its srun
+    killed, and Slurm holds the allocation ~35 s more (KillWait, then a timeout telling srun the tasks
+    ended): the next job of the chain, or a requeued one, waits that long for the nodes."""
+    pids = [int(pid) for pid in os.environ.get(RAY_STEPS_ENV, "").split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:  # it ended on its own (its node failed, say)
+            pass
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                    break
+            except ChildProcessError:  # already reaped, or not ours: nothing to wait for
+                break
+            time.sleep(poll_s)
 
 
 def main(argv: list[str]) -> int:

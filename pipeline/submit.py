@@ -18,6 +18,7 @@ from core.cluster import ClusterProfile
 from core.config import ConfigError, RunConfig, load_resolved
 from core.manifest import Manifest
 from core.rundir import RunDir
+from launch.ray_cluster import end_ray_steps
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import requeue_self
@@ -113,13 +114,16 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
     launch = verl_launcher(cfg, stage_id)
     with hold_run_dir(run.lock, wait_s=SUBMIT_GRACE_S) as lock_fd:
         try:
-            run_stage(
-                cfg,
-                run,
-                Manifest(run.root),
-                stage_id,
-                lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)),
-            )
+            try:
+                run_stage(
+                    cfg,
+                    run,
+                    Manifest(run.root),
+                    stage_id,
+                    lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)),
+                )
+            finally:
+                end_ray_steps()
         except StagePreempted as e:
             print(e, flush=True)
             requeue_self()

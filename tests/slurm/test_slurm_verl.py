@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,31 @@ def kill_whole_job(env, job: str) -> None:
     subprocess.run(["scancel", "--full", "--signal=KILL", job], env=env, check=True)
 
 
+def scontrol_show(env, *what: str) -> str:
+    return subprocess.run(
+        ["scontrol", "show", *what], env=env, capture_output=True, text=True, check=True
+    ).stdout
+
+
+def assert_each_job_freed_its_node_for_the_next(env, run: Path, stages: list[str]) -> None:
+    """Each job started within KillWait of the one before it ending: the Ray steps of a verl job end
+    with it. Left to Slurm they outlive the batch script, and hold the node KillWait and more."""
+    kill_wait = int(re.search(r"^KillWait\s*=\s*(\d+)", scontrol_show(env, "config"), re.M).group(1))
+    jobs = [scontrol_show(env, "job", manifest(run)[sid]["job_id"]) for sid in stages]
+    times = [
+        {
+            key: datetime.fromisoformat(re.search(rf"{key}=(\S+)", job).group(1))
+            for key in ("StartTime", "EndTime")
+        }
+        for job in jobs
+    ]
+    for sid, before, after in zip(stages[1:], times, times[1:]):
+        gap = (after["StartTime"] - before["EndTime"]).total_seconds()
+        assert gap < kill_wait, (
+            f"{sid} started {gap:.0f} s after the job before it ended (KillWait {kill_wait} s)"
+        )
+
+
 def logged_step(run: Path, sid: str) -> int:
     """The newest step verl's file logger has a row for, over every attempt."""
     return max((row["step"] for row in verl_metric_rows(run / sid / "verl_metrics")), default=0)
@@ -210,6 +236,7 @@ def test_the_five_stages_on_every_verl_engine_survive_usr1_and_sigkill_as_chaine
         wait_state(slurm_env, run, stage, timeout=1200, attempts_above=attempts[stage])
         if stage != "stage3_synth":
             assert_done_on_verl(slurm_env, run, stage)
+    assert_each_job_freed_its_node_for_the_next(slurm_env, run, CHAIN[1:])
     entry = manifest(run)[sid]
     assert entry["attempts"] == 3 and entry["preempted"] == 1
     # Each attempt kept its own metrics; together they hold every step once.
