@@ -29,8 +29,9 @@ SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldPort=${HPCR1_SLURMCTLD_PORT:-6817}
 SlurmdPort=${HPCR1_SLURMD_PORT:-6818}
 AuthType=auth/munge
-# A requeued job may start again cred_expire + 1 s after it ends: 121 s by default.
-AuthInfo=cred_expire=30
+# A requeued job may start again cred_expire + 1 s after it ends: 121 s by default. 15 s still
+# covers a step's launch (credential to tasks running) on two loaded cores, which takes ~1 s.
+AuthInfo=cred_expire=15
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
