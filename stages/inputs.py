@@ -63,7 +63,7 @@ def prepare_inputs(cfg: RunConfig, run: RunDir, task: dict[str, list[Example]], 
     if cfg.model.source == "hf":
         tmp.symlink_to(resolve_path(config_dir, cfg.model.path).resolve())
     else:
-        _build_tiny_model(cfg, tmp)
+        build_tiny_base(cfg, tmp)
     _remove(run.base_model)
     tmp.rename(run.base_model)
     atomic_write_text(run.base_model_spec, spec)
@@ -82,7 +82,8 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _build_tiny_model(cfg: RunConfig, out_dir: Path) -> None:
+def build_tiny_base(cfg: RunConfig, out_dir: Path) -> None:
+    """The tiny base model `cfg.model.tiny` and `cfg.seed` ask for, with its tokenizer, at out_dir."""
     from stages.data.tokenizer import build_char_tokenizer
     from stages.models.tiny import build_tiny_llama
 

@@ -85,6 +85,27 @@ def hpcr1_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": str(REPO / ".torch_extensions")}
 
 
+def tiny_base_built_here(config: Path, base: Path, overrides) -> list[str]:
+    """For a config whose base model is the tiny one: that model built in this process, by the
+    driver's own builder from the same fields, at `base` (unless there), given to the run as
+    `model.source=hf` (overrides after the test's own). The driver's
+    build is a run's longest serial part, ~5 s of importing transformers' model code before any rank
+    starts, which this process pays once. [] where the driver builds nothing or the config is bad
+    (the driver reports it)."""
+    from core.config import ConfigError, load_config
+    from stages.inputs import build_tiny_base
+
+    try:
+        cfg = load_config(config, [o for o in overrides if "=" in o and not o.startswith("-")])
+    except ConfigError:
+        return []
+    if cfg.model.source != "tiny":
+        return []
+    if not base.exists():
+        build_tiny_base(cfg, base)
+    return ["model.source=hf", f"model.path={base}"]
+
+
 def hpcr1_run(
     run_dir: Path,
     *overrides: str,
@@ -92,13 +113,27 @@ def hpcr1_run(
     env: dict[str, str] | None = None,
     config: dict = SMALL_RUN,
     check: bool = True,
+    tiny_base: Path | None = None,
 ):
     """`hpcr1 run` of `config` (file paths in it relative to run_dir's parent) into run_dir: waited
     for and checked to succeed (unless not `check`), or (wait=False) the running process, in a
-    session of its own so that a test can kill it with its ranks."""
+    session of its own so that a test can kill it with its ranks. A tiny base model is built here,
+    at `tiny_base` (default: beside run_dir, as a test may write into its run's model; a copied run
+    continues with its original's, the path being part of the model's fingerprint)."""
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "pipeline.cli", "run", str(path), "--run-dir", str(run_dir), *overrides]
+    base = tiny_base_built_here(path, tiny_base or run_dir.with_name(f"{run_dir.name}.base"), overrides)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        str(path),
+        "--run-dir",
+        str(run_dir),
+        *overrides,
+        *base,
+    ]
     full_env = {**hpcr1_env(), **(env or {})}
     if not wait:
         return subprocess.Popen(

@@ -119,7 +119,15 @@ class TrainedRun:
         self.copy_to(run_dir)
         only = ",".join((*self.stages, *stages))
         proc = hpcr1_run(
-            run_dir, "--only", only, *self.overrides, *overrides, config=self.config, env=env, check=check
+            run_dir,
+            "--only",
+            only,
+            *self.overrides,
+            *overrides,
+            config=self.config,
+            env=env,
+            check=check,
+            tiny_base=self.path.with_name(f"{self.path.name}.base"),
         )
         for sid in self.stages:
             assert f"{sid}: done (" in proc.stdout and f"{sid}: starting" not in proc.stdout, (
