@@ -88,10 +88,9 @@ def hpcr1_env() -> dict[str, str]:
 def tiny_base_built_here(config: Path, base: Path, overrides) -> list[str]:
     """For a config whose base model is the tiny one: that model built in this process, by the
     driver's own builder from the same fields, at `base` (unless there), given to the run as
-    `model.source=hf` (overrides after the test's own). The driver's
-    build is a run's longest serial part, ~5 s of importing transformers' model code before any rank
-    starts, which this process pays once. [] where the driver builds nothing or the config is bad
-    (the driver reports it)."""
+    `model.source=hf` (overrides after the test's own). The driver's build is a run's longest serial
+    part, ~5 s of importing transformers' model code before any rank starts, which this process
+    pays once. [] where the driver builds nothing or the config is bad (the driver reports it)."""
     from core.config import ConfigError, load_config
     from stages.inputs import build_tiny_base
 
@@ -106,6 +105,11 @@ def tiny_base_built_here(config: Path, base: Path, overrides) -> list[str]:
     return ["model.source=hf", f"model.path={base}"]
 
 
+def tiny_base_of(run_dir: Path) -> Path:
+    """Where hpcr1_run builds a run's tiny base model: beside it, as a test may write into its model."""
+    return run_dir.with_name(f"{run_dir.name}.base")
+
+
 def hpcr1_run(
     run_dir: Path,
     *overrides: str,
@@ -118,11 +122,11 @@ def hpcr1_run(
     """`hpcr1 run` of `config` (file paths in it relative to run_dir's parent) into run_dir: waited
     for and checked to succeed (unless not `check`), or (wait=False) the running process, in a
     session of its own so that a test can kill it with its ranks. A tiny base model is built here,
-    at `tiny_base` (default: beside run_dir, as a test may write into its run's model; a copied run
-    continues with its original's, the path being part of the model's fingerprint)."""
+    at `tiny_base` (default: `tiny_base_of(run_dir)`; a copied run continues with its original's,
+    the path being part of the model's fingerprint)."""
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(yaml.safe_dump(config))
-    base = tiny_base_built_here(path, tiny_base or run_dir.with_name(f"{run_dir.name}.base"), overrides)
+    base = tiny_base_built_here(path, tiny_base or tiny_base_of(run_dir), overrides)
     cmd = [
         sys.executable,
         "-m",

@@ -25,6 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from core.config import _apply_override
+from launch.slurm_jobs import job_fields
 from stages.engines.verl_io import verl_metric_rows
 from tests.conftest import REPO, markdown_table, seconds
 from tests.slurm.test_slurm_pipeline import SHRUNK_OVERRIDES, hpcr1, job_story, manifest, wait_for
@@ -119,26 +120,18 @@ def kill_whole_job(env, job: str) -> None:
     subprocess.run(["scancel", "--full", "--signal=KILL", job], env=env, check=True)
 
 
-def scontrol_show(env, *what: str) -> str:
-    return subprocess.run(
-        ["scontrol", "show", *what], env=env, capture_output=True, text=True, check=True
-    ).stdout
-
-
 def assert_each_job_freed_its_node_for_the_next(env, run: Path, stages: list[str]) -> None:
     """Each job started within KillWait of the one before it ending: the Ray steps of a verl job end
     with it. Left to Slurm they outlive the batch script, and hold the node KillWait and more."""
-    kill_wait = int(re.search(r"^KillWait\s*=\s*(\d+)", scontrol_show(env, "config"), re.M).group(1))
-    jobs = [scontrol_show(env, "job", manifest(run)[sid]["job_id"]) for sid in stages]
-    times = [
-        {
-            key: datetime.fromisoformat(re.search(rf"{key}=(\S+)", job).group(1))
-            for key in ("StartTime", "EndTime")
-        }
-        for job in jobs
-    ]
-    for sid, before, after in zip(stages[1:], times, times[1:]):
-        gap = (after["StartTime"] - before["EndTime"]).total_seconds()
+    config = subprocess.run(
+        ["scontrol", "show", "config"], env=env, capture_output=True, text=True, check=True
+    )
+    kill_wait = int(re.search(r"^KillWait\s*=\s*(\d+)", config.stdout, re.M).group(1))
+    jobs = [job_fields(manifest(run)[sid]["job_id"], env["SLURM_CONF"]) for sid in stages]
+    for sid, before, after in zip(stages[1:], jobs, jobs[1:]):
+        gap = (
+            datetime.fromisoformat(after["StartTime"]) - datetime.fromisoformat(before["EndTime"])
+        ).total_seconds()
         assert gap < kill_wait, (
             f"{sid} started {gap:.0f} s after the job before it ended (KillWait {kill_wait} s)"
         )

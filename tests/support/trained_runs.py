@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.conftest import REPO, SMALL_RUN, hpcr1_env, hpcr1_run, snapshot
+from tests.conftest import REPO, SMALL_RUN, hpcr1_env, hpcr1_run, snapshot, tiny_base_of
 
 # What a stage's ranks and the driver run: a change to any of their files makes new trained runs.
 CODE = [
@@ -127,7 +127,7 @@ class TrainedRun:
             config=self.config,
             env=env,
             check=check,
-            tiny_base=self.path.with_name(f"{self.path.name}.base"),
+            tiny_base=tiny_base_of(self.path),
         )
         for sid in self.stages:
             assert f"{sid}: done (" in proc.stdout and f"{sid}: starting" not in proc.stdout, (
