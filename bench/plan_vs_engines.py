@@ -15,9 +15,11 @@ A case fails when a measurement is more than 10% off its prediction (a predictio
 than 10% of the predicted peak).
 
 The models are Llama-shaped with random bf16 weights (MODELS): "wide", the tiny model's
-architecture widened until its states dominate a micro-batch's activations (63M parameters, 64
-tokens a micro-batch); "vocab", narrow (4M parameters) with a 32000-token vocabulary, where the
-logits of a 4 x 512-token micro-batch dominate. The cases:
+architecture widened until its states dominate a micro-batch's activations (63M parameters, 16
+tokens a micro-batch: the backward of bf16 matmuls is most of the bench's time on CPUs without bf16
+instructions, and at 64 tokens every state and peak measured the same within 0.1%); "vocab", narrow
+(4M parameters) with a 32000-token vocabulary, where the logits of a 4 x 512-token micro-batch
+dominate. The cases:
 - ds-*: our SFT engine itself (stages/engines/megatron_deepspeed.py: megatron-core, DeepSpeed ZeRO
   with its deepspeed_config), train_step of one micro-batch per step; predicted by sft_footprint.
 - ds-pp2-*: the same engine with parallel.pp=2 over the 2 ranks (dp 1): megatron's 1F1B schedule
@@ -99,7 +101,7 @@ class Case:
     model: str = "wide"
     batch: int = 1
     """Sequences a micro-batch (one a step)."""
-    seq: int = 64
+    seq: int = 16
     """Tokens a sequence; under fsdp2 the second half is the response."""
     pp: int = 1
     """Pipeline stages (deepspeed): dp = RANKS/pp, each stage measured and predicted on its own."""
