@@ -66,7 +66,16 @@ SMALL_RUN = {
     "seed": 3,
     "nproc": 2,
     "data": {"arithmetic": {"sft_size": 512, "prompts_size": 16, "eval_size": 16}},
-    "eval": {"num_examples": 16, "max_new_tokens": 40, "batch_size": 16},
+    # Greedy answers to the held-out split only: the sampled ones and the validation split, ~2 s a
+    # run, are scored where they are tested (EVAL_IN_FULL: test_stages_on_fakegpu, and every run of
+    # the embedded default).
+    "eval": {
+        "num_examples": 16,
+        "max_new_tokens": 40,
+        "batch_size": 16,
+        "samples": 0,
+        "validation_examples": 0,
+    },
     "wandb": {"mode": "disabled"},
     "stage1_sft": {
         "steps": 20,
@@ -79,6 +88,9 @@ SMALL_RUN = {
         "parallel": {"tp": 1, "pp": 1, "zero_stage": 1},
     },
 }
+
+# SMALL_RUN's eval as the embedded default scores it: 4 sampled answers a problem, and the validation split.
+EVAL_IN_FULL = ("eval.samples=4", "eval.validation_examples=null")
 
 
 def hpcr1_env() -> dict[str, str]:

@@ -17,10 +17,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests import fakegpu
-from tests.conftest import REPO, hpcr1_env
+from tests.conftest import EVAL_IN_FULL, REPO, hpcr1_env
 
 pytestmark = pytest.mark.dist
-SHORT_SFT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2")
+SHORT_SFT = ("stage1_sft.steps=4", "stage1_sft.checkpoint_every=2", *EVAL_IN_FULL)
 SHORT_GRPO = (
     "stage2_grpo.steps=2",
     "stage2_grpo.checkpoint_every=2",
