@@ -6,6 +6,8 @@ the rollout's (verl's bypass mode: equal values, so the same update)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -36,97 +38,76 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def run_step(model_dir, directory, nproc: int, *settings: str) -> dict:
-    out = directory / f"ranks{nproc}.pt"
-    run_torchrun(WORKER, nproc, str(model_dir), str(out), *settings, timeout=300)
-    return torch.load(out)
+# The 2-rank cases, {name: the stage's settings}, run in one torchrun (tests/dist/workers/grpo_step.py).
+TWO_RANK_CASES = {
+    "reshard-True": ["reshard_after_forward=true"],
+    "reshard-False": ["reshard_after_forward=false"],
+    "bypass": ["old_log_probs=rollout"],
+    # the embedded default's settings: one unit, kept gathered, the rollout's log-probs
+    "one-unit": ["fsdp_units=model", "reshard_after_forward=false", "old_log_probs=rollout"],
+    "ddp": ["data_parallel=ddp", "old_log_probs=rollout"],
+    "micro-True": ["micro_batch_size=1", "reshard_after_forward=true"],
+    "micro-False": ["micro_batch_size=1", "reshard_after_forward=false"],
+    "ddp-micro": ["data_parallel=ddp", "micro_batch_size=1"],
+}
+
+
+def run_cases(model_dir, directory, nproc: int, cases: dict[str, list[str]]) -> dict[str, dict]:
+    run_torchrun(WORKER, nproc, str(model_dir), str(directory), json.dumps(cases), timeout=600)
+    return {name: torch.load(directory / f"{name}.pt") for name in cases}
 
 
 @pytest.fixture(scope="module")
 def one_rank(model_dir, tmp_path_factory) -> dict:
-    return run_step(model_dir, tmp_path_factory.mktemp("one-rank"), 1)
+    return run_cases(model_dir, tmp_path_factory.mktemp("one-rank"), 1, {"default": []})["default"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(model_dir, tmp_path_factory) -> dict[bool, dict]:
-    """Keyed by reshard_after_forward."""
-    return {
-        reshard: run_step(
-            model_dir, tmp_path_factory.mktemp(f"reshard-{reshard}"), 2, f"reshard_after_forward={reshard}"
-        )
-        for reshard in (True, False)
-    }
-
-
-@pytest.fixture(scope="module")
-def two_ranks_bypass(model_dir, tmp_path_factory) -> dict:
-    return run_step(model_dir, tmp_path_factory.mktemp("bypass"), 2, "old_log_probs=rollout")
+def two_ranks(model_dir, tmp_path_factory) -> dict[str, dict]:
+    return run_cases(model_dir, tmp_path_factory.mktemp("two-ranks"), 2, TWO_RANK_CASES)
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_grpo_step_on_two_ranks_matches_one_rank(model_dir, one_rank, two_ranks, reshard_after_forward):
-    assert_same_update(model_dir, one_rank, two_ranks[reshard_after_forward])
+    assert_same_update(model_dir, one_rank, two_ranks[f"reshard-{reshard_after_forward}"])
 
 
-def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(
-    model_dir, one_rank, two_ranks_bypass
-):
-    assert_same_update(model_dir, one_rank, two_ranks_bypass)
+def test_old_log_probs_from_the_rollout_give_the_update_the_actors_give(model_dir, one_rank, two_ranks):
+    assert_same_update(model_dir, one_rank, two_ranks["bypass"])
 
 
-def test_the_whole_model_as_one_fsdp_unit_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+def test_the_whole_model_as_one_fsdp_unit_gives_the_same_update(model_dir, one_rank, two_ranks):
     """With the embedded default's settings: one unit, kept gathered (shared prompts, no resharding
     between the backward's passes), the rollout's log-probs."""
-    two_ranks = run_step(
-        model_dir,
-        tmp_path_factory.mktemp("one-unit"),
-        2,
-        "fsdp_units=model",
-        "reshard_after_forward=false",
-        "old_log_probs=rollout",
-    )
-    assert_same_update(model_dir, one_rank, two_ranks)
+    assert_same_update(model_dir, one_rank, two_ranks["one-unit"])
 
 
-def test_ddp_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+def test_ddp_gives_the_same_update(model_dir, one_rank, two_ranks):
     """With the embedded default's settings: actor and reference whole on each rank (DDP), the
     rollout's log-probs; the 1-rank reference is FSDP2's."""
-    two_ranks = run_step(
-        model_dir, tmp_path_factory.mktemp("ddp"), 2, "data_parallel=ddp", "old_log_probs=rollout"
-    )
-    assert_same_update(model_dir, one_rank, two_ranks)
-    assert two_ranks["update_all_gathers"] == 0  # nothing is gathered: only the gradients are all-reduced
+    assert_same_update(model_dir, one_rank, two_ranks["ddp"])
+    assert (
+        two_ranks["ddp"]["update_all_gathers"] == 0
+    )  # nothing is gathered: only the gradients are all-reduced
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_one_row_micro_batches_give_the_update_of_one_micro_batch(
-    model_dir, two_ranks, reshard_after_forward, tmp_path_factory
-):
+def test_one_row_micro_batches_give_the_update_of_one_micro_batch(two_ranks, reshard_after_forward):
     """Each of a rank's 8 rows forwarded and differentiated on its own (gradients accumulated,
     FSDP2 reduce-scattering every backward) against one forward and backward of all 8: the same
     weights and statistics. With reshard_after_forward false, prompts are shared within a micro-batch
     and the layers stay gathered over the micro-batches."""
-    whole = two_ranks[reshard_after_forward]
-    rows = run_step(
-        model_dir,
-        tmp_path_factory.mktemp(f"micro-{reshard_after_forward}"),
-        2,
-        "micro_batch_size=1",
-        f"reshard_after_forward={reshard_after_forward}",
-    )
+    whole, rows = (two_ranks[f"{kind}-{reshard_after_forward}"] for kind in ("reshard", "micro"))
     diff = max((whole["weights"][k] - rows["weights"][k]).abs().max().item() for k in whole["weights"])
     print(f"max |micro 1 - micro 16| = {diff:.2e}")
     assert diff < 1e-5, diff  # Adam (lr 1e-2) magnifies the rounding of its smallest gradients
     assert rows["stats"] == pytest.approx(whole["stats"], rel=1e-5, abs=1e-6)
 
 
-def test_ddp_with_one_row_micro_batches_gives_the_same_update(model_dir, one_rank, tmp_path_factory):
+def test_ddp_with_one_row_micro_batches_gives_the_same_update(model_dir, one_rank, two_ranks):
     """DDP skips the all-reduce (no_sync) in every micro-batch's backward but the last: the
     accumulated gradients are still averaged over the ranks, once."""
-    two_ranks = run_step(
-        model_dir, tmp_path_factory.mktemp("ddp-micro"), 2, "data_parallel=ddp", "micro_batch_size=1"
-    )
-    assert_same_update(model_dir, one_rank, two_ranks)
+    assert_same_update(model_dir, one_rank, two_ranks["ddp-micro"])
 
 
 def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:
@@ -143,7 +124,7 @@ def assert_same_update(model_dir, one_rank: dict, two_ranks: dict) -> None:
 
 
 def test_layers_kept_gathered_are_not_gathered_again_for_the_backward(two_ranks):
-    resharding, keeping = (two_ranks[r]["update_all_gathers"] for r in (True, False))
+    resharding, keeping = (two_ranks[f"reshard-{r}"]["update_all_gathers"] for r in (True, False))
     print(f"all-gathers in the update: {resharding} resharding after forward, {keeping} keeping the layers")
     # Four forward+backward passes (2 epochs x 2 mini-batches): resharding gathers each layer again
     # for its backward; keeping them gathered does not.

@@ -1,10 +1,13 @@
-"""One GRPO update on a fixed rollout batch (the same global batch whatever the number of ranks; with
-old_log_probs=rollout, holding the starting model's log-probs as the rollout's):
-argv = MODEL_DIR OUT_FILE [KEY=VALUE ...] (settings of the stage, YAML values). Rank 0 saves the updated full
-weights to OUT_FILE, with the all-gathers its update made."""
+"""GRPO updates on a fixed rollout batch (the same global batch whatever the number of ranks; with
+old_log_probs=rollout, holding the starting model's log-probs as the rollout's), one a case, each from
+the same starting model, in this one process group (the ranks' start-up paid once):
+argv = MODEL_DIR OUT_DIR CASES_JSON, CASES_JSON {name: ["KEY=VALUE", ...]} (settings of the stage, YAML
+values). Rank 0 saves each case's updated full weights, with its statistics and the all-gathers its
+update made, to OUT_DIR/NAME.pt."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -69,10 +72,17 @@ def with_rollout_log_probs(batch: DataProto, model_dir: Path) -> DataProto:
     return batch.union(DataProto.from_dict(tensors={"rollout_log_probs": log_probs, "entropy": entropy}))
 
 
-def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
+def main(model_dir: Path, out_dir: Path, cases: dict[str, list[str]]) -> None:
+    dist.init_process_group("gloo")
+    for name, settings in cases.items():
+        run_case(model_dir, out_dir / f"{name}.pt", settings)
+        gc.collect()  # the case's sharded models and their process-group state, before the next
+    shutdown_distributed()
+
+
+def run_case(model_dir: Path, out_file: Path, settings: list[str]) -> None:
     updates = {key: yaml.safe_load(value) for key, value in (s.split("=", 1) for s in settings)}
     stage = GRPOStage.model_validate({**STAGE.model_dump(), **updates})
-    dist.init_process_group("gloo")
     torch.manual_seed(0)
     prompts = rank_share(
         list(range(STAGE.prompts_per_step)), dist.get_rank(), dist.get_world_size(), STAGE.mini_batches
@@ -99,8 +109,7 @@ def main(model_dir: Path, out_file: Path, settings: list[str]) -> None:
             e["phase"] == "policy_update" and e["op"].startswith("all_gather") for e in events
         )
         torch.save({"weights": weights, "stats": stats, "update_all_gathers": update_gathers}, out_file)
-    shutdown_distributed()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+    main(Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]))
