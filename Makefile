@@ -4,11 +4,10 @@ PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
-# TEST_WORKERS=3 runs the tests in 3 pytest-xdist workers (tests/conftest.py keeps a module, or the
-# modules sharing a service, in one; the longest go first). Not the default: on 2 vCPUs two busy
-# processes each run over twice as slow as one alone, so 2 workers took 74 min where one process
-# takes 62, and 3 failed under load: bench/RESULTS.md has the figures.
-TEST_WORKERS ?= 1
+# The tests run in TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps a module, or the modules
+# sharing a service, in one; the longest go first). 2 on this 2-vCPU machine kind: 44 min of pytest
+# where one process took 58.5 (bench/RESULTS.md). TEST_WORKERS=1: one process, in pytest's own order.
+TEST_WORKERS ?= 2
 XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
