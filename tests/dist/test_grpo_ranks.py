@@ -86,9 +86,8 @@ def test_ddp_gives_the_same_update(model_dir, one_rank, two_ranks):
     """With the embedded default's settings: actor and reference whole on each rank (DDP), the
     rollout's log-probs; the 1-rank reference is FSDP2's."""
     assert_same_update(model_dir, one_rank, two_ranks["ddp"])
-    assert (
-        two_ranks["ddp"]["update_all_gathers"] == 0
-    )  # nothing is gathered: only the gradients are all-reduced
+    # nothing is gathered: only the gradients are all-reduced
+    assert two_ranks["ddp"]["update_all_gathers"] == 0
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
