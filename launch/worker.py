@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -70,11 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.dist import discover_ranks, init_distributed, rank_device, shutdown_distributed
     from runtime.mpi_profiler import CallLog
     from runtime.preemption import PREEMPTED_EXIT, install_handlers
-    from runtime.rank_failure import record_exception
+    from runtime.rank_failure import record_crashes, record_exception
     from stages.kinds import STAGE_RUNNERS
 
     run = RunDir(Path(run_dir))
-    terminal = redirect_output(run.logs(stage_id), discover_ranks().rank)
+    rank = discover_ranks().rank
+    terminal = redirect_output(run.logs(stage_id), rank)
+    record_crashes(run.logs(stage_id), rank)
     cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
     bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
     info = init_distributed(mpi_calls=bootstrap)
@@ -129,5 +132,6 @@ def leave_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash while importing: its stack to the launcher's output
     die_with_launcher()
     main()

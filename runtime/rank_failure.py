@@ -1,10 +1,11 @@
 """When one rank of a stage fails: what each rank leaves behind, and which rank failed first.
 
 A rank that raises records its exception in logs/rank-NNNNN.error.json (launch.worker). A rank
-killed by a signal cannot write anything, so the launcher writes how torchrun saw every failed rank
-end (exit code or signal, in the order it saw them) to logs/torchrun-failures.json
-(launch.torchrun; ranks started by srun have only their own records). The driver reads both back
-into one structured error for the manifest.
+that crashes (a segfault in native code) leaves the Python stack of the crash in
+logs/rank-NNNNN.fatal.txt, written by faulthandler. A rank killed by a signal cannot write anything,
+so the launcher writes how torchrun saw every failed rank end (exit code or signal, in the order it
+saw them) to logs/torchrun-failures.json (launch.torchrun; ranks started by srun have only their own
+records). The driver reads them all back into one structured error for the manifest.
 
 The surviving ranks are not left blocked in a collective: the failed rank's process ends at once
 (launch.worker skips the interpreter's slow orderly exit), gloo raises on the others as soon as its
@@ -15,6 +16,7 @@ delays the SIGTERM: runtime.preemption takes only USR1.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -49,6 +51,16 @@ def record_path(log_dir: Path, rank: int) -> Path:
     return log_dir / f"rank-{rank:05d}.error.json"
 
 
+def fatal_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank-{rank:05d}.fatal.txt"
+
+
+def record_crashes(log_dir: Path, rank: int) -> None:
+    """From now on a crash of this process (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes the
+    Python stack of every thread to fatal_path: the file is opened for the life of the process."""
+    faulthandler.enable(file=open(fatal_path(log_dir, rank), "w"), all_threads=True)
+
+
 def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
     """Called in the rank's `except` block, so its traceback is the one being handled."""
     record = {
@@ -65,6 +77,7 @@ def forget_failures(log_dir: Path) -> None:
     """Before an attempt: what an earlier attempt's ranks left must not be read as this one's."""
     for path in [
         *log_dir.glob("rank-*.error.json"),
+        *log_dir.glob("rank-*.fatal.txt"),
         *log_dir.glob(f"*{TORCHRUN_FAILURES}"),
         *log_dir.glob(LOST_NODES),
     ]:
@@ -107,7 +120,23 @@ def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
         e for path in sorted(log_dir.glob(f"*{TORCHRUN_FAILURES}")) for e in json.loads(path.read_text())
     ]
     records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
-    return {e["rank"]: e for e in exits}, {r["rank"]: r for r in records}
+    crashes = [_crash_record(p) for p in log_dir.glob("rank-*.fatal.txt") if p.stat().st_size]
+    return {e["rank"]: e for e in exits}, {r["rank"]: r for r in [*crashes, *records]}
+
+
+def _crash_record(path: Path) -> dict:
+    """faulthandler's dump ("Fatal Python error: Segmentation fault", then each thread's stack, most
+    recent call first) as a record: the crash, and the innermost Python line it happened under."""
+    lines = path.read_text().splitlines()
+    crash = next((line for line in lines if line.startswith("Fatal Python error:")), lines[0])
+    where = next((line.strip() for line in lines if line.strip().startswith("File ")), "no Python frame")
+    return {
+        "rank": int(path.name[len("rank-") :].split(".")[0]),
+        "time": path.stat().st_mtime,
+        "type": "Fatal Python error",
+        "message": f"{crash.split(':', 1)[1].strip()} in {where}",
+        "traceback": "\n".join(lines)[-4000:],
+    }
 
 
 def first_failed_rank(exits: dict[int, dict], records: dict[int, dict]) -> int | None:

@@ -5,6 +5,8 @@ torchrun poll, and a survivor that outlives torchrun's SIGTERM."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -69,8 +71,33 @@ def test_no_record_from_any_rank_says_so(tmp_path):
     )
 
 
+CRASH_AT_STEP = """
+import faulthandler, sys
+from pathlib import Path
+from runtime.rank_failure import record_crashes
+
+def train_step():
+    faulthandler._sigsegv()  # a segfault in native code, as a bad kernel or library makes one
+
+record_crashes(Path(sys.argv[1]), 1)
+train_step()
+"""
+
+
+def test_a_crashed_rank_is_named_with_the_python_line_it_crashed_under(tmp_path):
+    """Under srun nothing but the rank itself can say why it ended: a segfault leaves faulthandler's
+    stack, not "no rank recorded why"."""
+    crashed = subprocess.run([sys.executable, "-c", CRASH_AT_STEP, str(tmp_path)], capture_output=True)
+    assert crashed.returncode == -11, crashed
+    error = stage_error(tmp_path, 139)
+    assert error["rank"] == 1 and error["exception"] == "Fatal Python error", error
+    assert error["summary"].startswith("rank 1 failed first: Fatal Python error: Segmentation fault in File")
+    assert "line 7 in train_step" in error["message"], error
+
+
 def test_an_earlier_attempts_records_are_forgotten(tmp_path):
     write_logs(tmp_path, [(1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
+    (tmp_path / "rank-00001.fatal.txt").write_text("Fatal Python error: Aborted\n")
     forget_failures(tmp_path)
     assert stage_error(tmp_path, 1)["rank"] is None
 
