@@ -3,6 +3,7 @@ that machine. Typed like the run config: unknown keys and wrong types are errors
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -25,9 +26,28 @@ _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.:,@%=+/&|\[\]*()-]*$")
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
+def ephemeral_ports(sysctl: Path = Path("/proc/sys/net/ipv4")) -> tuple[range, set[int]]:
+    """The range of ports Linux may give an outgoing connection on this machine
+    (ip_local_port_range), and those of it reserved (ip_local_reserved_ports: "8080,9000-9010").
+    Empty where the files are absent (not Linux)."""
+    try:
+        low, high = map(int, (sysctl / "ip_local_port_range").read_text().split())
+    except OSError:
+        return range(0), set()
+    reserved: set[int] = set()
+    with contextlib.suppress(OSError):
+        for part in filter(None, (sysctl / "ip_local_reserved_ports").read_text().strip().split(",")):
+            first, _, last = part.partition("-")
+            reserved.update(range(int(first), int(last or first) + 1))
+    return range(low, high + 1), reserved
+
+
 class RayPorts(Section):
     """Where the Ray cluster of a verl stage listens: fixed ports, so a site can open them in its
-    firewall and two jobs on one node can be told apart (give them different profiles)."""
+    firewall and two jobs on one node can be told apart (give them different profiles). None may lie
+    in the node's ephemeral range (Linux: net.ipv4.ip_local_port_range, 32768-60999 by default)
+    unless reserved: any outgoing connection may hold such a port when Ray binds it, and the agent
+    that fails ("Address already in use") takes the raylet down with it."""
 
     gcs_port: Port = 6379
     """The head's GCS server (the address workers join)."""
@@ -43,13 +63,13 @@ class RayPorts(Section):
     """Lowest port a Ray worker process may take."""
     max_worker_port: Port = 10999
     """Highest port a Ray worker process may take."""
-    dashboard_agent_listen_port: Port = 52365
+    dashboard_agent_listen_port: Port = 6382
     """Each node's dashboard agent (HTTP); Ray starts it even without the dashboard."""
-    dashboard_agent_grpc_port: Port = 52366
+    dashboard_agent_grpc_port: Port = 6383
     """Each node's dashboard agent (gRPC)."""
-    runtime_env_agent_port: Port = 52367
+    runtime_env_agent_port: Port = 6384
     """Each node's runtime-environment agent."""
-    metrics_export_port: Port = 52368
+    metrics_export_port: Port = 6385
     """Each node's Prometheus metrics endpoint."""
     ready_timeout_s: Annotated[int, Field(gt=0)] = 600
     """Seconds to wait for every node to join with its GPUs before the job fails."""
@@ -68,6 +88,19 @@ class RayPorts(Section):
             if port in seen:
                 raise ValueError(f"{field} and {seen[port]} are both {port}")
             seen[port] = field
+        span, reserved = ephemeral_ports()
+        for field, port in {
+            **self.component_ports(),
+            "min_worker_port": low,
+            "max_worker_port": high,
+        }.items():
+            if port in span and port not in reserved:
+                raise ValueError(
+                    f"{field} {port} is inside this machine's ephemeral port range "
+                    f"{span.start}-{span.stop - 1}, where any outgoing connection may hold it "
+                    "when Ray binds it: choose a port outside it, or reserve it "
+                    "(net.ipv4.ip_local_reserved_ports)"
+                )
         return self
 
     def component_ports(self) -> dict[str, int]:

@@ -26,8 +26,10 @@ def first_host(nodelist: str) -> str:
 
 
 def rendezvous_port(job_id: str) -> int:
-    # Derived from the job id: two jobs sharing a node never pick the same port.
-    return 20000 + int(job_id) % 20000
+    """Derived from the job id, so that two jobs sharing a node pick different ports (unless their
+    ids differ by a multiple of 12000); below Linux's ephemeral range (32768 on by default), where
+    an outgoing connection may hold the port when rank 0 binds it."""
+    return 20000 + int(job_id) % 12000
 
 
 def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = False) -> list[str]:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.cluster import RayPorts, load_profile
+from core.cluster import RayPorts, ephemeral_ports, load_profile
 from core.config import ConfigError
 from launch.ray_cluster import auth_env, gpu_nodes
+from launch.slurm_launch import rendezvous_port
 from tests.conftest import REPO
 from tests.ray_head import ray_head_apart
 
@@ -102,3 +103,36 @@ def test_a_profile_with_clashing_ray_ports_is_refused_naming_them(tmp_path, port
     profile.write_text(yaml.safe_dump({"name": "site", "ray": ports}))
     with pytest.raises(ConfigError, match=f"site.yaml:ray: .*{message}"):
         load_profile(str(profile))
+
+
+def test_the_default_ray_ports_and_rendezvous_ports_are_outside_the_ephemeral_range():
+    """CI lost a verl job to "Address already in use": the metrics port (52368, Ray's own default)
+    was held by an outgoing connection when the dashboard agent bound it, and the raylet died with
+    the agent. The defaults stay below Linux's default ephemeral range, as does the Slurm jobs'
+    rendezvous port for any job id."""
+    default_range = range(32768, 61000)
+    ports = RayPorts()
+    assert not [p for p in [*ports.component_ports().values(), ports.min_worker_port, ports.max_worker_port]
+                if p in default_range]  # fmt: skip
+    assert max(rendezvous_port(str(job)) for job in range(0, 100_000, 7)) < default_range.start
+
+
+def test_a_ray_port_in_this_machines_ephemeral_range_is_refused_unless_reserved(tmp_path):
+    span, reserved = ephemeral_ports()
+    port = next((p for p in span if p not in reserved), None)
+    assert port is not None, "no unreserved ephemeral port on this machine: nothing to check"
+    profile = tmp_path / "site.yaml"
+    profile.write_text(yaml.safe_dump({"name": "site", "ray": {"metrics_export_port": port}}))
+    with pytest.raises(ConfigError, match=f"site.yaml:ray: .*metrics_export_port {port} is inside this "
+                       f"machine's ephemeral port range {span.start}-{span.stop - 1}"):  # fmt: skip
+        load_profile(str(profile))
+
+
+def test_ephemeral_ports_read_the_range_and_the_reserved_ports(tmp_path):
+    (tmp_path / "ip_local_port_range").write_text("32768\t60999\n")
+    (tmp_path / "ip_local_reserved_ports").write_text("52365-52368,40000\n")
+    span, reserved = ephemeral_ports(tmp_path)
+    assert (span.start, span.stop) == (32768, 61000)
+    assert reserved == {52365, 52366, 52367, 52368, 40000}
+    (tmp_path / "ip_local_reserved_ports").write_text("\n")
+    assert ephemeral_ports(tmp_path)[1] == set()
