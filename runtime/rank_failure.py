@@ -124,17 +124,21 @@ def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     return {e["rank"]: e for e in exits}, {r["rank"]: r for r in [*crashes, *records]}
 
 
+_FATAL = "Fatal Python error:"
+
+
 def _crash_record(path: Path) -> dict:
     """faulthandler's dump ("Fatal Python error: Segmentation fault", then each thread's stack, most
     recent call first) as a record: the crash, and the innermost Python line it happened under."""
     lines = path.read_text().splitlines()
-    crash = next((line for line in lines if line.startswith("Fatal Python error:")), lines[0])
+    # A dump cut short (the process killed while writing it) may lack the first line.
+    crash = next((line for line in lines if line.startswith(_FATAL)), f"{_FATAL} unknown crash")
     where = next((line.strip() for line in lines if line.strip().startswith("File ")), "no Python frame")
     return {
         "rank": int(path.name[len("rank-") :].split(".")[0]),
         "time": path.stat().st_mtime,
         "type": "Fatal Python error",
-        "message": f"{crash.split(':', 1)[1].strip()} in {where}",
+        "message": f"{crash[len(_FATAL) :].strip()} in {where}",
         "traceback": "\n".join(lines)[-4000:],
     }
 

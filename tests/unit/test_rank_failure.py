@@ -95,6 +95,12 @@ def test_a_crashed_rank_is_named_with_the_python_line_it_crashed_under(tmp_path)
     assert "line 7 in train_step" in error["message"], error
 
 
+def test_a_crash_dump_cut_short_still_names_its_rank(tmp_path):
+    (tmp_path / "rank-00001.fatal.txt").write_text("\n")
+    error = stage_error(tmp_path, 139)
+    assert error["rank"] == 1 and error["message"] == "unknown crash in no Python frame", error
+
+
 def test_an_earlier_attempts_records_are_forgotten(tmp_path):
     write_logs(tmp_path, [(1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
     (tmp_path / "rank-00001.fatal.txt").write_text("Fatal Python error: Aborted\n")
