@@ -132,10 +132,11 @@ class Attempt:
             os.kill(pid, signal.SIGKILL)
 
     def _outliving(self) -> list[int]:
-        """Processes of this run (their command line names its directory) still there a few seconds
-        after the process group was killed: ranks that torchrun put in sessions of their own."""
+        """Processes of this run (their command line names its directory, or they hold a file in it
+        open: a rank's log) still there a few seconds after the process group was killed: ranks in
+        sessions of their own, or not told of their launcher's death."""
         deadline = time.monotonic() + OUTLIVE_S
-        while (left := _running_with_arg(str(self.run.root))) and time.monotonic() < deadline:
+        while (left := _processes_of(self.run.root)) and time.monotonic() < deadline:
             time.sleep(POLL_S)
         return left
 
@@ -224,11 +225,14 @@ class Attempt:
         return path.exists() and path.stat().st_mtime >= self.started_wall
 
 
-def _running_with_arg(arg: str) -> list[int]:
+def _processes_of(run_root: Path) -> list[int]:
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
+        if proc.name == str(os.getpid()):
+            continue
         try:
-            if arg.encode() in (proc / "cmdline").read_bytes().split(b"\0"):
+            named = str(run_root).encode() in (proc / "cmdline").read_bytes().split(b"\0")
+            if named or any(Path(os.readlink(fd)).is_relative_to(run_root) for fd in (proc / "fd").iterdir()):
                 pids.append(int(proc.name))
         except OSError:  # gone meanwhile
             continue

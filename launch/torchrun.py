@@ -4,6 +4,12 @@ signal and torchrun's timestamp (whole seconds), in the order torchrun saw them 
 by a signal leaves no record of its own: this is where the driver learns which rank it was and how
 it ended (runtime.rank_failure).
 
+Ranks of `-m launch.worker RUN_DIR STAGE_ID` are forked from one process that has imported the
+stage's modules (torchrun's function entry point with the forkserver start method): a node's ranks
+pay for torch, megatron-core, DeepSpeed and transformers once, not once each (seconds of CPU per
+rank). Where torch is built for a GPU nothing is preloaded: a fork after CUDA's driver has started
+(DeepSpeed asks for devices at import) leaves the child unable to use it.
+
 It also carries preemption through torchrun, which on its own would die of a USR1 (the default
 action) and report ranks that stopped to be requeued as failed: USR1 is passed on to the ranks,
 and when ranks stopped with PREEMPTED_EXIT (their checkpoint sealed behind a barrier) and the rest
@@ -13,23 +19,43 @@ only by torchrun's SIGTERM that followed, this process exits with PREEMPTED_EXIT
 from __future__ import annotations
 
 import json
+import multiprocessing
 import signal
 import sys
+from pathlib import Path
 
 import psutil
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, parse_args, run
 
 from core.atomic import atomic_write_text
 from runtime.preemption import PREEMPTED_EXIT
 
+RANK_MODULE = "launch.worker"
 
-def _forward_to_ranks(signum, frame) -> None:
-    # torchrun runs in this process; the ranks are its direct children.
+
+def _ranks():
+    """The rank processes: torchrun's children, or the forkserver's (launch.worker.run_forked_rank
+    passes a signal on to the rank it forked), never multiprocessing's own helpers (a USR1 would
+    kill them)."""
     for child in psutil.Process().children():
         try:
-            child.send_signal(signum)
+            command = " ".join(child.cmdline())
+            if "multiprocessing.forkserver" in command:
+                yield from child.children()
+            elif "multiprocessing." not in command:
+                yield child
         except psutil.NoSuchProcess:  # ended meanwhile
+            pass
+
+
+def _forward_to_ranks(signum, frame) -> None:
+    for rank in _ranks():
+        try:
+            rank.send_signal(signum)
+        except psutil.NoSuchProcess:
             pass
 
 
@@ -38,11 +64,37 @@ def preempted(failures) -> bool:
     return PREEMPTED_EXIT in codes and codes <= {PREEMPTED_EXIT, -signal.SIGTERM}
 
 
+def preload_modules(run_dir: str, stage_id: str) -> list[str]:
+    """What every rank of the stage imports before its first step; nothing where torch has a GPU
+    backend (module docstring)."""
+    if torch.version.cuda or torch.version.hip:
+        return []
+    from core.config import load_resolved
+    from core.rundir import RunDir
+    from stages.kinds import STAGE_MODULES
+
+    stage = getattr(load_resolved(RunDir(Path(run_dir))), stage_id)
+    return [RANK_MODULE, STAGE_MODULES[type(stage)]]
+
+
+def launch(torchrun_args: list[str]) -> None:
+    args = parse_args(torchrun_args)
+    if not (args.module and args.training_script == RANK_MODULE):
+        run(args)  # any other program: torchrun as it is
+        return
+    from launch.worker import run_forked_rank
+
+    multiprocessing.set_forkserver_preload(preload_modules(*args.training_script_args))
+    args.start_method = "forkserver"
+    config, _, _ = config_from_args(args)
+    elastic_launch(config=config, entrypoint=run_forked_rank)(*args.training_script_args)
+
+
 def main(argv: list[str]) -> None:
     failures_file, *torchrun_args = argv
     signal.signal(signal.SIGUSR1, _forward_to_ranks)
     try:
-        run(parse_args(torchrun_args))
+        launch(torchrun_args)
     except ChildFailedError as e:
         if preempted(e.failures.values()):
             sys.exit(PREEMPTED_EXIT)

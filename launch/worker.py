@@ -1,5 +1,6 @@
-"""The process of one rank of one stage: `python -m launch.worker RUN_DIR STAGE_ID` under torchrun,
-srun or mpirun. Discovers its rank, joins the process group, runs the stage, leaves cleanly."""
+"""The process of one rank of one stage: `python -m launch.worker RUN_DIR STAGE_ID` under srun or
+mpirun, or `run_rank(RUN_DIR, STAGE_ID)` in a process torchrun forks (launch/torchrun.py). Discovers
+its rank, joins the process group, runs the stage, leaves cleanly."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
-
-import yaml
 
 
 def redirect_output(log_dir: Path, rank: int):
@@ -35,10 +35,11 @@ def redirect_output(log_dir: Path, rank: int):
 
 
 def die_with_launcher() -> None:
-    """torchrun starts every rank in a session of its own, so a SIGKILL to the process group of
-    `hpcr1 run` (kill -9 -PGID, a job step killed by its scheduler) ends the driver and torchrun
-    but not the ranks: they went on writing checkpoints and final/ next to the attempt that resumed
-    the stage. Ask the kernel to SIGKILL this rank when the process that started it dies (Linux)."""
+    """A rank in a session of its own (torchrun starts a command that way) outlives a SIGKILL to the
+    process group of `hpcr1 run` (kill -9 -PGID, a job step killed by its scheduler), as does a rank
+    whose forkserver is left without torchrun: ranks went on writing checkpoints and final/ next to
+    the attempt that resumed the stage. Ask the kernel to SIGKILL this rank when the process that
+    started it dies (Linux); a forkserver leaves when its torchrun has gone."""
     if not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir, stage_id = (argv or sys.argv[1:])[:2]
     import torch.distributed as dist
 
-    from core.config import RunConfig
+    from core.config import load_resolved
     from core.manifest import Manifest
     from core.rundir import RunDir
     from runtime.comm_profiler import CommProfiler
@@ -72,13 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     from runtime.mpi_profiler import CallLog
     from runtime.preemption import PREEMPTED_EXIT, install_handlers
     from runtime.rank_failure import record_crashes, record_exception
-    from stages.kinds import STAGE_RUNNERS
+    from stages.kinds import run_stage
 
     run = RunDir(Path(run_dir))
     rank = discover_ranks().rank
     terminal = redirect_output(run.logs(stage_id), rank)
     record_crashes(run.logs(stage_id), rank)
-    cfg = RunConfig.model_validate(yaml.safe_load(run.config.read_text()))
+    cfg = load_resolved(run)
     bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
     info = init_distributed(mpi_calls=bootstrap)
     logging.getLogger("hpcr1").info(
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         with profiler or contextlib.nullcontext():
             if profiler is not None:
                 bootstrap.hand_to(profiler, phase="bootstrap")
-            STAGE_RUNNERS[type(ctx.stage)](ctx)
+            run_stage(ctx)
     except Exception as e:
         logging.getLogger("hpcr1").exception("stage %s failed on rank %d", stage_id, info.rank)
         record_exception(run.logs(stage_id), info.rank, e)
@@ -131,7 +132,54 @@ def leave_now(code: int) -> None:
     os._exit(code)
 
 
-if __name__ == "__main__":
+def run_rank(run_dir: str, stage_id: str) -> None:
+    """The whole life of a rank process started by a command (srun, mpirun)."""
     faulthandler.enable()  # a crash while importing: its stack to the launcher's output
     die_with_launcher()
-    main()
+    main([run_dir, stage_id])
+
+
+# What the parent of a forked rank passes on to it: torchrun's SIGTERM, a preemption's USR1. Not
+# SIGINT: Ctrl-C reaches the rank itself, in the terminal's process group.
+PASSED_ON = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def run_forked_rank(run_dir: str, stage_id: str) -> None:
+    """torchrun's entry point in a process its forkserver forked (launch/torchrun.py). The rank runs
+    in a child of this process, which passes signals on, waits and records how it ended: a rank
+    killed by a signal cannot, and torchrun reports only the first of its forked ranks to end."""
+    from core.rundir import RunDir
+    from runtime.rank_failure import record_exit
+
+    die_with_launcher()
+    child = os.fork()
+    if child == 0:
+        _run_and_leave(run_dir, stage_id)
+    for signum in PASSED_ON:
+        signal.signal(signum, lambda signum, frame: os.kill(child, signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    if code == 0:
+        return
+    record_exit(RunDir(Path(run_dir)).logs(stage_id), int(os.environ["RANK"]), code)
+    if code < 0:  # end as the rank did, for torchrun to report
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    leave_now(code)
+
+
+def _run_and_leave(run_dir: str, stage_id: str) -> None:
+    code = 1
+    try:
+        run_rank(run_dir, stage_id)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        leave_now(code)  # never back into the forkserver's code
+
+
+if __name__ == "__main__":
+    run_rank(*sys.argv[1:3])

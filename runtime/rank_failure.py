@@ -5,12 +5,14 @@ that crashes (a segfault in native code) leaves the Python stack of the crash in
 logs/rank-NNNNN.fatal.txt, written by faulthandler. A rank killed by a signal cannot write anything,
 so the launcher writes how torchrun saw every failed rank end (exit code or signal, in the order it
 saw them) to logs/torchrun-failures.json (launch.torchrun; ranks started by srun have only their own
-records). The driver reads them all back into one structured error for the manifest.
+records), and a rank forked by torchrun's forkserver has the process that forked it write how it
+ended to logs/rank-NNNNN.exit.json (torchrun reports only the first of those to end). The driver
+reads them all back into one structured error for the manifest.
 
 The surviving ranks are not left blocked in a collective: the failed rank's process ends at once
 (launch.worker skips the interpreter's slow orderly exit), gloo raises on the others as soon as its
 sockets close, and torchrun sends SIGTERM to every rank still running, then SIGKILL 30 s later
-(torch.distributed.elastic.multiprocessing.api, SubprocessContext._close). No handler of ours
+(torch.distributed.elastic.multiprocessing.api, PContext.close). No handler of ours
 delays the SIGTERM: runtime.preemption takes only USR1.
 """
 
@@ -20,6 +22,7 @@ import faulthandler
 import json
 import os
 import re
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -55,6 +58,22 @@ def fatal_path(log_dir: Path, rank: int) -> Path:
     return log_dir / f"rank-{rank:05d}.fatal.txt"
 
 
+def exit_path(log_dir: Path, rank: int) -> Path:
+    return log_dir / f"rank-{rank:05d}.exit.json"
+
+
+def record_exit(log_dir: Path, rank: int, exitcode: int) -> None:
+    """How a rank process ended (a negative code: the signal), as torchrun would report it, with
+    the time it was seen to end; written by its parent."""
+    entry = {
+        "rank": rank,
+        "exitcode": exitcode,
+        "signal": signal.Signals(-exitcode).name if exitcode < 0 else None,
+        "timestamp": time.time(),
+    }
+    atomic_write_text(exit_path(log_dir, rank), json.dumps(entry, indent=2) + "\n")
+
+
 def record_crashes(log_dir: Path, rank: int) -> None:
     """From now on a crash of this process (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes the
     Python stack of every thread to fatal_path: the file is opened for the life of the process."""
@@ -78,6 +97,7 @@ def forget_failures(log_dir: Path) -> None:
     for path in [
         *log_dir.glob("rank-*.error.json"),
         *log_dir.glob("rank-*.fatal.txt"),
+        *log_dir.glob("rank-*.exit.json"),
         *log_dir.glob(f"*{TORCHRUN_FAILURES}"),
         *log_dir.glob(LOST_NODES),
     ]:
@@ -119,6 +139,10 @@ def read_failures(log_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
     exits = [
         e for path in sorted(log_dir.glob(f"*{TORCHRUN_FAILURES}")) for e in json.loads(path.read_text())
     ]
+    # A forked rank's parent saw every end, to the millisecond: those win over torchrun's first one.
+    forked = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.exit.json")]
+    forked.sort(key=lambda e: e["timestamp"])
+    exits = [*(e for e in exits if e["rank"] not in {f["rank"] for f in forked}), *forked]
     records = [json.loads(p.read_text()) for p in log_dir.glob("rank-*.error.json")]
     crashes = [_crash_record(p) for p in log_dir.glob("rank-*.fatal.txt") if p.stat().st_size]
     return {e["rank"]: e for e in exits}, {r["rank"]: r for r in [*crashes, *records]}

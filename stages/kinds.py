@@ -1,31 +1,20 @@
-"""The one table of stage kinds: which function runs a stage of each config type on every rank.
+"""The one table of stage kinds: which module runs a stage of each config type on every rank.
 
-Each entry imports its module when called, so that a stage loads only its own engine
-(megatron-core + DeepSpeed for SFT, verl's protocol for GRPO).
+A stage imports its module when it starts, so that it loads only its own engine (megatron-core +
+DeepSpeed for SFT, verl's protocol for GRPO); the local launcher preloads that module once for all
+of a node's ranks (launch/torchrun.py).
 """
 
 from __future__ import annotations
 
+import importlib
+
 from core.config import GRPOStage, SFTStage, SynthStage
 from runtime.context import StageContext
 
-
-def run_sft(ctx: StageContext) -> None:
-    from stages import sft
-
-    sft.run(ctx)
+STAGE_MODULES = {SFTStage: "stages.sft", GRPOStage: "stages.grpo.trainer", SynthStage: "stages.synth"}
 
 
-def run_grpo(ctx: StageContext) -> None:
-    from stages.grpo import trainer
-
-    trainer.run(ctx)
-
-
-def run_synth(ctx: StageContext) -> None:
-    from stages import synth
-
-    synth.run(ctx)
-
-
-STAGE_RUNNERS = {SFTStage: run_sft, GRPOStage: run_grpo, SynthStage: run_synth}
+def run_stage(ctx: StageContext) -> None:
+    """Run ctx's stage on this rank: its module's `run(ctx)`."""
+    importlib.import_module(STAGE_MODULES[type(ctx.stage)]).run(ctx)

@@ -11,14 +11,14 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from core.config import load_config
 from core.rundir import RunDir
+from launch.local import torchrun_command
 from pipeline.driver import prepare_run
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.dist
 PHASES = (
@@ -37,17 +37,8 @@ ROWS, MAX_NEW_TOKENS = (
 
 
 def run_stage(run: RunDir, stage_id: str) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        f"--master-port={free_port()}",
-        "-m",
-        "launch.worker",
-        str(run.root),
-        stage_id,
-    ]
+    """The stage's 2 ranks as `hpcr1 run` starts them."""
+    cmd = torchrun_command(run.root, stage_id, nproc=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     logs = "".join(p.read_text()[-3000:] for p in sorted(run.logs(stage_id).glob("rank-*.log")))

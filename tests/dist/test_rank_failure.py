@@ -22,24 +22,30 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # The failed rank is gone at once (killed, or launch.worker's os._exit after an exception); torchrun
 # sees that within its 0.1 s monitor interval, sends SIGTERM to the others and SIGKILL 30 s later
-# (torch/distributed/elastic/multiprocessing/api.py, SubprocessContext._close); the rest is slack
+# (torch/distributed/elastic/multiprocessing/api.py, MultiprocessContext._close); the rest is slack
 # for a loaded 2-core machine.
 ALL_RANKS_GONE_WITHIN_S = 60
 
 
 def rank_pids(run_dir: Path) -> dict[int, int]:
-    """The processes of run_dir's ranks by RANK: launch.worker with run_dir in its arguments and
-    RANK in its environment (torchrun's own arguments name them too, its environment has no RANK)."""
+    """The processes of run_dir's ranks by RANK: those whose stdout is a rank log of the run
+    (launch.worker's first act), whichever launcher started them; not a child that inherited it."""
     found = {}
     for proc in Path("/proc").iterdir():
         try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-            rank = [v for v in (proc / "environ").read_bytes().split(b"\0") if v.startswith(b"RANK=")]
-        except OSError:  # not a process, one of another user, or one that just ended
+            out = os.readlink(proc / "fd" / "1")
+            parent_out = os.readlink(f"/proc/{_parent(proc)}/fd/1")
+        except (OSError, ValueError):  # not a process, or one that just ended
             continue
-        if rank and b"launch.worker" in args and str(run_dir).encode() in args:
-            found[int(rank[0].removeprefix(b"RANK="))] = int(proc.name)
+        log = Path(out)
+        if log.is_relative_to(run_dir) and log.name.startswith("rank-") and parent_out != out:
+            found[int(log.name.removeprefix("rank-").split(".")[0])] = int(proc.name)
     return found
+
+
+def _parent(proc: Path) -> int:
+    stat = (proc / "stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 300):
@@ -108,6 +114,10 @@ def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path):
     proc = hpcr1_run(run_dir, UNREACHED_STEPS, wait=False)
     pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
     wait_until(lambda: steps_logged(run_dir) >= 1, proc, "a step logged (the ranks are training)")
+    # Forked (through a parent that records how it ends) from one process that had imported the
+    # stage's modules (launch/torchrun.py).
+    servers = {_parent(Path(f"/proc/{_parent(Path(f'/proc/{pid}'))}")) for pid in pids.values()}
+    assert len(servers) == 1 and "stages.sft" in Path(f"/proc/{servers.pop()}/cmdline").read_text()
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     ended = gone_at(pids)

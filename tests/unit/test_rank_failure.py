@@ -17,6 +17,7 @@ from runtime.rank_failure import (
     fail_if_asked,
     forget_failures,
     read_failures,
+    record_exit,
     record_path,
     record_printed_exception,
     stage_error,
@@ -38,6 +39,17 @@ def test_killed_rank_is_first_though_its_survivor_ended_in_the_same_poll(tmp_pat
     write_logs(
         tmp_path, [(0, 1, None, 100), (1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")}
     )
+    error = stage_error(tmp_path, 1)
+    assert (error["rank"], error["signal"], error["exception"]) == (1, "SIGKILL", None)
+    assert error["others"] == {"0": "RuntimeError: Connection closed by peer"}
+
+
+def test_a_forked_rank_killed_is_first_though_torchrun_reported_only_its_survivor(tmp_path, monkeypatch):
+    # torchrun's forkserver mode reports the first rank it finds ended; both had ended at its poll.
+    write_logs(tmp_path, [(0, 1, None, 100)], {0: (100.05, "Connection closed by peer")})
+    for rank, code, t in [(1, -9, 100.02), (0, 1, 100.06)]:
+        monkeypatch.setattr("time.time", lambda t=t: t)
+        record_exit(tmp_path, rank, code)
     error = stage_error(tmp_path, 1)
     assert (error["rank"], error["signal"], error["exception"]) == (1, "SIGKILL", None)
     assert error["others"] == {"0": "RuntimeError: Connection closed by peer"}
@@ -104,6 +116,7 @@ def test_a_crash_dump_cut_short_still_names_its_rank(tmp_path):
 def test_an_earlier_attempts_records_are_forgotten(tmp_path):
     write_logs(tmp_path, [(1, -9, "SIGKILL", 100)], {0: (100.05, "Connection closed by peer")})
     (tmp_path / "rank-00001.fatal.txt").write_text("Fatal Python error: Aborted\n")
+    record_exit(tmp_path, 1, -9)
     forget_failures(tmp_path)
     assert stage_error(tmp_path, 1)["rank"] is None
 
