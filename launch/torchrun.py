@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import signal
 import sys
 from pathlib import Path
@@ -31,9 +32,13 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args, run
 
 from core.atomic import atomic_write_text
+from core.rundir import RunDir
+from launch.preload import PRELOAD_ENV, PRELOAD_LOG_ENV
 from runtime.preemption import PREEMPTED_EXIT
 
 RANK_MODULE = "launch.worker"
+# What importing the stage's modules printed, in the stage's logs/.
+PRELOAD_LOG = "preload.log"
 
 
 def _ranks():
@@ -70,7 +75,6 @@ def preload_modules(run_dir: str, stage_id: str) -> list[str]:
     if torch.version.cuda or torch.version.hip:
         return []
     from core.config import load_resolved
-    from core.rundir import RunDir
     from stages.kinds import STAGE_MODULES
 
     stage = getattr(load_resolved(RunDir(Path(run_dir))), stage_id)
@@ -84,7 +88,13 @@ def launch(torchrun_args: list[str]) -> None:
         return
     from launch.worker import run_forked_rank
 
-    multiprocessing.set_forkserver_preload(preload_modules(*args.training_script_args))
+    run_dir, stage_id = args.training_script_args
+    modules = preload_modules(run_dir, stage_id)
+    if modules:
+        # Read by launch.preload in the forkserver, which inherits this environment.
+        os.environ[PRELOAD_ENV] = ",".join(modules)
+        os.environ[PRELOAD_LOG_ENV] = str(RunDir(Path(run_dir)).logs(stage_id) / PRELOAD_LOG)
+        multiprocessing.set_forkserver_preload(["launch.preload"])
     args.start_method = "forkserver"
     config, _, _ = config_from_args(args)
     elastic_launch(config=config, entrypoint=run_forked_rank)(*args.training_script_args)

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import faulthandler
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -169,6 +170,10 @@ def run_forked_rank(run_dir: str, stage_id: str) -> None:
 
 
 def _run_and_leave(run_dir: str, stage_id: str) -> None:
+    # The platform's start method, as a rank started by a command has: the forkserver's would have
+    # the rank's multiprocessing locks (tqdm's) registered with torchrun's resource tracker, and
+    # reported there as leaked when the rank leaves without the interpreter's finalisation.
+    multiprocessing.set_start_method(None, force=True)
     code = 1
     try:
         run_rank(run_dir, stage_id)

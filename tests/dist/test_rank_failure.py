@@ -117,7 +117,8 @@ def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path):
     # Forked (through a parent that records how it ends) from one process that had imported the
     # stage's modules (launch/torchrun.py).
     servers = {_parent(Path(f"/proc/{_parent(Path(f'/proc/{pid}'))}")) for pid in pids.values()}
-    assert len(servers) == 1 and "stages.sft" in Path(f"/proc/{servers.pop()}/cmdline").read_text()
+    assert len(servers) == 1
+    assert b"HPCR1_PRELOAD=launch.worker,stages.sft" in Path(f"/proc/{servers.pop()}/environ").read_bytes()
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     ended = gone_at(pids)
