@@ -97,7 +97,7 @@ def launch(torchrun_args: list[str]) -> None:
         multiprocessing.set_forkserver_preload(["launch.preload"])
     args.start_method = "forkserver"
     config, _, _ = config_from_args(args)
-    elastic_launch(config=config, entrypoint=run_forked_rank)(*args.training_script_args)
+    elastic_launch(config=config, entrypoint=run_forked_rank)(run_dir, stage_id)
 
 
 def main(argv: list[str]) -> None:

@@ -178,8 +178,8 @@ def _run_and_leave(run_dir: str, stage_id: str) -> None:
     try:
         run_rank(run_dir, stage_id)
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter reads it: None is success, a message failure
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:

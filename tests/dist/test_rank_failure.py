@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from runtime.rank_failure import FAIL_AT_ENV
@@ -31,21 +32,16 @@ def rank_pids(run_dir: Path) -> dict[int, int]:
     """The processes of run_dir's ranks by RANK: those whose stdout is a rank log of the run
     (launch.worker's first act), whichever launcher started them; not a child that inherited it."""
     found = {}
-    for proc in Path("/proc").iterdir():
+    for proc in psutil.process_iter():
         try:
-            out = os.readlink(proc / "fd" / "1")
-            parent_out = os.readlink(f"/proc/{_parent(proc)}/fd/1")
-        except (OSError, ValueError):  # not a process, or one that just ended
+            out = os.readlink(f"/proc/{proc.pid}/fd/1")
+            parent_out = os.readlink(f"/proc/{proc.ppid()}/fd/1")
+        except (OSError, psutil.Error):  # one of another user, or one that just ended
             continue
         log = Path(out)
         if log.is_relative_to(run_dir) and log.name.startswith("rank-") and parent_out != out:
-            found[int(log.name.removeprefix("rank-").split(".")[0])] = int(proc.name)
+            found[int(log.name.removeprefix("rank-").split(".")[0])] = proc.pid
     return found
-
-
-def _parent(proc: Path) -> int:
-    stat = (proc / "stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def wait_until(condition, proc: subprocess.Popen, what: str, timeout: float = 300):
@@ -116,9 +112,9 @@ def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path):
     wait_until(lambda: steps_logged(run_dir) >= 1, proc, "a step logged (the ranks are training)")
     # Forked (through a parent that records how it ends) from one process that had imported the
     # stage's modules (launch/torchrun.py).
-    servers = {_parent(Path(f"/proc/{_parent(Path(f'/proc/{pid}'))}")) for pid in pids.values()}
+    servers = {psutil.Process(pid).parents()[1] for pid in pids.values()}
     assert len(servers) == 1
-    assert b"HPCR1_PRELOAD=launch.worker,stages.sft" in Path(f"/proc/{servers.pop()}/environ").read_bytes()
+    assert servers.pop().environ().get("HPCR1_PRELOAD") == "launch.worker,stages.sft"
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     ended = gone_at(pids)
