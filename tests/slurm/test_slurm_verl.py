@@ -174,7 +174,7 @@ def assert_verl_results_are_ours(run: Path, sid: str) -> None:
 
 
 def assert_the_update_reached_final(run: Path, sid: str, init: str) -> None:
-    """verl's GRPO had a gradient in some step (with 6 steps of 4 groups, none needs every group's
+    """verl's GRPO had a gradient in some step (with 4 steps of 4 groups, none needs every group's
     pair to tie), and final/ holds the update: weights differ from the init's beyond the bf16
     rounding of verl's merge."""
     rows = verl_metric_rows(run / sid / "verl_metrics")
@@ -190,6 +190,9 @@ def assert_the_update_reached_final(run: Path, sid: str, init: str) -> None:
     )
 
 
+# The first GRPO stage's steps: a checkpoint each; USR1 after the first, SIGKILL after the second,
+# and at least one left for the resumed attempt.
+GRPO_STEPS = 4
 CHAIN = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo"]
 
 
@@ -197,11 +200,11 @@ CHAIN = ["stage1_sft", "stage2_grpo", "stage3_synth", "stage3_sft", "stage4_grpo
 @pytest.mark.timeout(VERL_CHAIN_TIMEOUT_S)
 def test_the_five_stages_on_every_verl_engine_survive_usr1_and_sigkill_as_chained_jobs(slurm_env, tmp_path):
     """GRPO twice on verl's trainer, synthesis and every stage's held-out eval on verl's replicas.
-    The first GRPO stage (6 steps, a checkpoint each) is preempted by USR1 after its first checkpoint:
+    The first GRPO stage (4 steps, a checkpoint each) is preempted by USR1 after its first checkpoint:
     it requeues and resumes from it. Its whole job is then SIGKILLed after the second, which takes
     the stages queued after it out of the queue too; `hpcr1 resume` finishes it from verl's
     checkpoint and runs the rest. verl's outputs are handed over in our formats."""
-    run = submit(slurm_env, tmp_path, verl_config("stage2_grpo.steps=6", stages=CHAIN))
+    run = submit(slurm_env, tmp_path, verl_config(f"stage2_grpo.steps={GRPO_STEPS}", stages=CHAIN))
     wait_state(slurm_env, run, "stage1_sft", ("done",), timeout=1200)
     assert json.loads((run / "stage1_sft" / "eval.json").read_text())["engine"] == "verl"
 
@@ -221,7 +224,7 @@ def test_the_five_stages_on_every_verl_engine_survive_usr1_and_sigkill_as_chaine
     # Slurm drops the stages that waited on it (kill_invalid_depend): nothing is left queued
     wait_for(lambda: not queued_jobs(slurm_env), "the killed job and the stages after it to leave the queue")
     killed_at = sealed_step(run, sid)
-    assert 2 <= killed_at < 6 and not (run / sid / "final").exists()
+    assert 2 <= killed_at < GRPO_STEPS and not (run / sid / "final").exists()
 
     attempts = {stage: manifest(run)[stage].get("attempts", 0) for stage in CHAIN}
     hpcr1(slurm_env, "resume", str(run), "--cluster", "local")
@@ -235,7 +238,7 @@ def test_the_five_stages_on_every_verl_engine_survive_usr1_and_sigkill_as_chaine
     # Each attempt kept its own metrics; together they hold every step once.
     assert len(list((run / sid / "verl_metrics").glob("attempt-*.jsonl"))) == 3
     steps = [json.loads(line)["step"] for line in (run / sid / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5, 6]
+    assert steps == list(range(1, GRPO_STEPS + 1))
     # The requeued and the resumed attempt began at verl's checkpoints, not at step 1.
     log = (run / sid / "logs" / "rank-00000.log").read_text()
     resumed = re.findall(r"Resuming from \S+/global_step_(\d+),", log)
