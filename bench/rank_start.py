@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.versus import prepare  # noqa: E402
-from launch.local import repo_env, torchrun_command  # noqa: E402
+from launch.local import rank_env, torchrun_command  # noqa: E402
 from runtime.group import free_port  # noqa: E402
 
 
@@ -55,7 +55,7 @@ def peer_command(run_root: Path, stage_id: str, nproc: int) -> list[str]:
 def timed(command: list[str], run, stage_id: str, nproc: int) -> tuple[float, float]:
     """(wall s, busy CPU-s) of the stage from scratch."""
     shutil.rmtree(run.stage(stage_id), ignore_errors=True)
-    env = {**repo_env(), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    env = rank_env(nproc)
     wall, busy = time.monotonic(), busy_cpu_seconds()
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     wall, busy = time.monotonic() - wall, busy_cpu_seconds() - busy

@@ -66,11 +66,15 @@ def run_stage_locally(
 ) -> int:
     """Runs the stage to completion; returns the launcher's exit code (a key of LAUNCHERS). Rank logs go
     to <stage>/logs/. `pass_fds`: descriptors the launcher inherits (the run directory's lock)."""
+    return run_forwarding_usr1(LAUNCHERS[launcher](run_dir, stage_id, nproc), rank_env(nproc), pass_fds)
+
+
+def rank_env(nproc: int) -> dict[str, str]:
+    """repo_env, with one intra-op thread pool per rank sized to its share of the cores (unless set):
+    oversubscription (every rank using every core) makes gloo collectives and matmuls crawl."""
     env = repo_env()
-    # One intra-op thread pool per rank sized to its share of the cores: oversubscription
-    # (every rank using every core) makes gloo collectives and matmuls crawl.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return run_forwarding_usr1(LAUNCHERS[launcher](run_dir, stage_id, nproc), env, pass_fds)
+    return env
 
 
 def run_forwarding_usr1(command: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> int:
