@@ -24,8 +24,8 @@ from types import ModuleType
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
-from stages.engines.verl_trainer import CPU_PLATFORM as PLATFORM
-from stages.engines.verl_trainer import CPU_ROLLOUT as ROLLOUT  # stages/engines/verl_hf_rollout.py
+from stages.engines.verl_platform_names import CPU_PLATFORM as PLATFORM
+from stages.engines.verl_platform_names import CPU_ROLLOUT as ROLLOUT  # stages/engines/verl_hf_rollout.py
 
 
 @PlatformRegistry.register(platform=PLATFORM)
@@ -173,20 +173,23 @@ def patch_verl() -> None:
     # transformer_impl.py:1143 registers the FSDP engines for cuda and npu only, their code is generic.
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
     _after_import("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
-    _register_rollout()
+    # The HF rollout under the name 'hf', beside vLLM's in both of verl's registries, in the
+    # processes that look it up: the replicas' (workers/rollout/replica.py:388) and the trainer-side
+    # adapter's (workers/rollout/base.py:81).
+    _after_import("verl.workers.rollout.replica", _register_replica)
+    _after_import("verl.workers.rollout.base", _register_adapter)
 
 
-def _register_rollout() -> None:
-    """The HF rollout under the name 'hf', beside vLLM's in both of verl's registries: the replica
-    (workers/rollout/replica.py:388) and the trainer-side adapter (workers/rollout/base.py:81)."""
-    from verl.workers.rollout import base, replica
-
+def _register_replica(replica: ModuleType) -> None:
     def load():
         from stages.engines.verl_hf_rollout import HFReplica
 
         return HFReplica
 
     replica.RolloutReplicaRegistry.register(ROLLOUT, load)
+
+
+def _register_adapter(base: ModuleType) -> None:
     base._ROLLOUT_REGISTRY[(ROLLOUT, "async")] = "stages.engines.verl_hf_rollout.HFServerAdapter"
 
 

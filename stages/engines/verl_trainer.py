@@ -17,6 +17,7 @@ from pathlib import Path
 from core.cluster import rollout_span_problem
 from core.config import ConfigError, GRPOStage, RunConfig, SynthStage, engine_of
 from core.rundir import RunDir
+from stages.engines.verl_platform_names import CPU_PLATFORM, CPU_ROLLOUT
 
 DATA_SOURCE = "hpcr1"  # the parquet rows' data_source: names our reward in verl's metrics
 REWARD_MODULE = Path(__file__).with_name("verl_reward.py")
@@ -174,9 +175,6 @@ def logger_list(cfg: RunConfig) -> list[str]:
 
 
 # --- the CPU test platform and the environment of verl's actors -----------------------------------
-
-CPU_PLATFORM = "cpu"
-CPU_ROLLOUT = "hf"  # the rollout engine stages/engines/verl_cpu.py registers
 
 
 def platform_overrides(platform: str) -> list[str]:
