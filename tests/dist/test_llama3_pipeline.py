@@ -31,7 +31,7 @@ GRPO = {
     "data_parallel": "ddp",
     "old_log_probs": "rollout",
 }
-# Stage 1 learns the 32 problems by heart (a few dozen steps more than it needs), so that stage 3's
+# Stage 1 learns the 32 problems nearly by heart (its loss ends under 0.05), so that stage 3's
 # rejection sampling keeps answers for stage3_sft to train on; GRPO steps are few and gentle.
 CONFIG = {
     "name": "llama3",
@@ -46,7 +46,7 @@ CONFIG = {
     },
     "eval": {"num_examples": 8, "max_new_tokens": 48, "batch_size": 8},
     "wandb": {"mode": "disabled"},
-    "stage1_sft": {**SFT, "steps": 300, "lr": 3e-3, "min_lr": 3e-4, "checkpoint_every": 300},
+    "stage1_sft": {**SFT, "steps": 160, "lr": 3e-3, "min_lr": 3e-4, "checkpoint_every": 160},
     "stage2_grpo": {**GRPO, "init_from": "stage1_sft"},
     "stage3_synth": {"num_prompts": 16, "samples_per_prompt": 4, "temperature": 0.5, "max_new_tokens": 48},
     "stage3_sft": {**SFT, "init_from": "stage1_sft", "data": "stage3_synth", "steps": 2, "lr": 1e-4},
