@@ -16,6 +16,7 @@ submit` and the job of every stage import this module, and most of them never ne
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -196,20 +197,45 @@ def _platform() -> str:
 
 def _verl_job(run_dir: Path, sid: str, body) -> int:
     """`body(cfg, run, (nnodes, gpus_per_node))`'s exit code, or 1 with the exception recorded where
-    the driver looks for a failed rank's (logs/rank-00000.*)."""
+    the driver looks for a failed rank's (logs/rank-00000.*), or PREEMPTED_EXIT when a USR1 (the
+    job nears its time limit) stopped it, wherever it was: verl, or the hand-over after it."""
     run = RunDir(run_dir)
     try:
-        cfg = load_resolved(run)
-        if "RAY_ADDRESS" not in os.environ:
-            raise RuntimeError(
-                "RAY_ADDRESS is not set: a verl job runs from verl_stage.sbatch, after it has "
-                "started Ray on the allocation"
-            )
-        return body(cfg, run, (int(os.environ["SLURM_NNODES"]), int(os.environ["HPCR1_GPUS_PER_NODE"])))
+        with _usr1_stops_the_job():
+            cfg = load_resolved(run)
+            if "RAY_ADDRESS" not in os.environ:
+                raise RuntimeError(
+                    "RAY_ADDRESS is not set: a verl job runs from verl_stage.sbatch, after it has "
+                    "started Ray on the allocation"
+                )
+            return body(cfg, run, (int(os.environ["SLURM_NNODES"]), int(os.environ["HPCR1_GPUS_PER_NODE"])))
+    except _StopRequested:
+        print(f"{sid}: stopped on USR1; the requeued job continues from verl's newest checkpoint", flush=True)
+        return PREEMPTED_EXIT
     except Exception as e:
         record_exception(run.logs(sid), 0, e)
         traceback.print_exc()
         return 1
+
+
+class _StopRequested(BaseException):
+    """A USR1 reached the job. Not an Exception: no `except Exception` on the way may swallow it."""
+
+
+@contextlib.contextmanager
+def _usr1_stops_the_job():
+    """A USR1 raises _StopRequested where the job is (a child being waited for is then stopped by
+    whoever started it); later ones are ignored. The handler before is back on leaving."""
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        raise _StopRequested
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
@@ -326,8 +352,8 @@ def write_verl_data(cfg, run: RunDir, sid: str) -> None:
 
 def _run_verl(run: RunDir, sid: str, args: list[str], env: dict[str, str], pass_fds: tuple[int, ...]) -> int:
     """`python ARGS` (verl's trainer or our generation driver) with `env` added; its output goes to
-    logs/rank-00000.log, where a failure's traceback is looked for. On USR1 (the job nears its time
-    limit) it is stopped: the requeued job resumes GRPO from verl's newest checkpoint
+    logs/rank-00000.log, where a failure's traceback is looked for. On USR1 (_usr1_stops_the_job)
+    it is stopped: the requeued job resumes GRPO from verl's newest checkpoint
     (trainer.resume_mode=auto), losing the steps since then; generation starts over."""
     run.logs(sid).mkdir(parents=True, exist_ok=True)
     log_path = run.logs(sid) / "rank-00000.log"
@@ -340,11 +366,12 @@ def _run_verl(run: RunDir, sid: str, args: list[str], env: dict[str, str], pass_
             stderr=subprocess.STDOUT,
             pass_fds=pass_fds,
         )
-        stopped = []
-        signal.signal(signal.SIGUSR1, lambda signum, frame: (stopped.append(signum), proc.terminate()))
-        rc = proc.wait()
-    if stopped:
-        return PREEMPTED_EXIT
+        try:
+            rc = proc.wait()
+        except _StopRequested:
+            proc.terminate()
+            proc.wait()
+            raise
     if rc != 0:  # what verl raised, for the manifest's error (the driver reads rank 0's record)
         with open(log_path, errors="replace") as log:
             log.seek(start)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,10 @@ import pytest
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
 from launch import verl_job
+from launch.verl_job import _run_verl as run_verl_for_real
 from launch.verl_job import check_verl_job
 from pipeline.cli import main
+from runtime.preemption import PREEMPTED_EXIT
 from runtime.trace_parser import parse_trace
 from stages.engines.verl_io import (
     VERL_PHASES,
@@ -490,3 +495,28 @@ def test_max_pass_rate_is_refused_on_verl_naming_the_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
     assert e.value.field == "stage2_grpo.max_pass_rate"
+
+
+def test_a_usr1_during_the_hand_over_stops_the_job_for_its_requeue(verl_stage_run, monkeypatch):
+    """main_ppo has exited and the hand-over (merging 1 TB at 70B) is under way when Slurm's USR1
+    comes: the job leaves for its requeue, instead of swallowing the signal and being killed at its
+    time limit (TIMEOUT: not requeued, the stage left "running")."""
+    from launch import verl_job
+
+    cfg, run, _ = verl_stage_run
+    quick_verl = lambda run, sid, args, env, fds: run_verl_for_real(run, sid, ["-c", ""], env, fds)  # noqa: E731
+    monkeypatch.setattr(verl_job, "_run_verl", quick_verl)
+    handed_over = []
+
+    def hand_over(cfg, run, sid):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(3)  # the merge, under way when the signal lands
+        handed_over.append(sid)
+
+    monkeypatch.setattr(verl_job, "finish_verl_stage", hand_over)
+    for name, value in {"RAY_ADDRESS": "unused", "SLURM_NNODES": "1", "HPCR1_GPUS_PER_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    before = signal.getsignal(signal.SIGUSR1)
+    assert verl_job.run_verl_stage(run.root, "stage2_grpo") == PREEMPTED_EXIT
+    assert not handed_over
+    assert signal.getsignal(signal.SIGUSR1) is before  # the job's handler does not outlive it
