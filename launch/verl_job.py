@@ -65,11 +65,11 @@ from stages.engines.verl_io import (
 from stages.engines.verl_trainer import (
     DATA_SOURCE,
     check_verl_stage,
-    platform_env,
     platform_overrides,
     runtime_env_overrides,
     uses_verl,
     verl_paths,
+    verl_process_env,
 )
 
 
@@ -261,7 +261,7 @@ def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
     env = {"VERL_FILE_LOGGER_PATH": str(metrics_file), "WANDB_DIR": str(run.stage(sid).resolve())}
     if cfg.wandb.mode != "disabled":
         env["WANDB_MODE"] = cfg.wandb.mode
-    return {**env, **platform_env(_platform())}
+    return {**env, **verl_process_env(_platform())}
 
 
 def _generate_on_verl(
@@ -282,7 +282,7 @@ def _generate_on_verl(
     check_prompt_lengths(examples, tokenizer, rollout.max_prompt_length, f"{field}.verl.max_prompt_length")
     write_parquet(paths["prompts"], verl_rows(examples, "generation", DATA_SOURCE))
     paths["output"].unlink(missing_ok=True)  # an earlier attempt's
-    env = platform_env(_platform())
+    env = verl_process_env(_platform())
     limits = [str(rollout.requests_in_flight), str(rollout.request_timeout_s)]
     with phase("generation"):
         rc = _run_verl(

@@ -2,8 +2,8 @@
 Slurm profiles), so that verl's own trainer and generation server run there as they do on GPUs.
 Never selected on a GPU cluster: a profile with GPUs refuses it (core/cluster.py).
 
-verl imports this module in every process it starts, Ray workers included, when
-`VERL_USE_EXTERNAL_MODULES=stages.engines.verl_cpu` (verl/__init__.py), and selects the platform by
+verl imports this module in every process it starts, Ray workers included, when it is among
+`VERL_USE_EXTERNAL_MODULES` (verl/__init__.py; verl_trainer.verl_process_env), and selects the platform by
 `VERL_PLATFORM=cpu` (verl/plugin/platform/platform_manager.py). Both reach the workers through Ray's
 runtime environment (launch/verl_job.py). Ray counts the ranks as "GPU" resources: the job's Ray
 is started with as many fake GPUs a node as the profile has ranks a node.

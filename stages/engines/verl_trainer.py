@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from core.cluster import rollout_span_problem
+from core.cluster import COLLECTIVE_TIMEOUT_ENV, rollout_span_problem
 from core.config import ConfigError, GRPOStage, RunConfig, SynthStage, engine_of
 from core.rundir import RunDir
 from stages.engines.verl_platform_names import CPU_PLATFORM, CPU_ROLLOUT
@@ -200,11 +200,20 @@ def platform_overrides(platform: str) -> list[str]:
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
 
 
-def platform_env(platform: str) -> dict[str, str]:
-    """The environment that makes every verl process, Ray's workers too, load the CPU platform."""
-    if platform != CPU_PLATFORM:
-        return {}
-    return {"VERL_USE_EXTERNAL_MODULES": "stages.engines.verl_cpu", "VERL_PLATFORM": CPU_PLATFORM}
+# What every verl process imports on start (verl/__init__.py), on every platform
+ALWAYS_LOADED = "stages.engines.verl_timeouts"
+
+
+def verl_process_env(platform: str) -> dict[str, str]:
+    """The environment every verl process, Ray's workers too, needs: our modules loaded (the CPU
+    platform on the CPU), and the profile's collective timeout, which the stage job exports."""
+    env = {"VERL_USE_EXTERNAL_MODULES": ALWAYS_LOADED}
+    if COLLECTIVE_TIMEOUT_ENV in os.environ:
+        env[COLLECTIVE_TIMEOUT_ENV] = os.environ[COLLECTIVE_TIMEOUT_ENV]
+    if platform == CPU_PLATFORM:
+        env["VERL_USE_EXTERNAL_MODULES"] += ",stages.engines.verl_cpu"
+        env["VERL_PLATFORM"] = CPU_PLATFORM
+    return env
 
 
 def runtime_env_overrides(env: dict[str, str]) -> list[str]:

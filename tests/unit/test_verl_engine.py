@@ -11,11 +11,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from core.cluster import COLLECTIVE_TIMEOUT_ENV
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
 from launch import verl_job
@@ -31,9 +33,9 @@ from stages.engines.verl_io import (
     traces_to_events,
     verl_metric_rows,
 )
-from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value
+from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value, verl_process_env
 from stages.rewards.math_reward import score
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.support.system_packages import system_command
 
 CONFIG_70B = REPO / "configs" / "llama-3.3-70b-perlmutter.yaml"
@@ -474,7 +476,8 @@ def test_what_verls_actors_read_reaches_them_through_the_ray_jobs_runtime_env(ve
     assert Path(env["VERL_FILE_LOGGER_PATH"]).name == "attempt-001.jsonl"
     config = compose_verl_config([a for a in args[2:]])
     assert (
-        config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "stages.engines.verl_cpu"
+        config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
+        == "stages.engines.verl_timeouts,stages.engines.verl_cpu"
     )
     assert config.actor_rollout_ref.rollout.name == "hf" and not config.trainer.val_before_train
 
@@ -520,3 +523,27 @@ def test_a_usr1_during_the_hand_over_stops_the_job_for_its_requeue(verl_stage_ru
     assert verl_job.run_verl_stage(run.root, "stage2_grpo") == PREEMPTED_EXIT
     assert not handed_over
     assert signal.getsignal(signal.SIGUSR1) is before  # the job's handler does not outlive it
+
+
+# verl's own start of a worker's process group (the v1 trainer's, verl/workers/engine_workers.py:89)
+WORKER_GROUP_TIMEOUT = """
+import torch, verl
+from verl.utils.distributed import initialize_global_process_group_ray
+initialize_global_process_group_ray(timeout_second=None, backend="gloo")
+print(torch.distributed.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+"""
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_verls_process_groups_wait_the_profiles_collective_timeout(platform, monkeypatch):
+    """verl 0.9.1 gives its workers' group no timeout and reads its nccl_timeout nowhere: torch's
+    10 minutes on NCCL, around 70B checkpoint saves. On GPUs as on the CPU platform, what verl's
+    processes load makes the timeout the stage job exports (the profile's collective_timeout_s)."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "1234")
+    env = {**os.environ, **verl_process_env(platform), "PYTHONPATH": str(REPO)}
+    env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER_GROUP_TIMEOUT], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.split()[-1]) == 1234
