@@ -12,7 +12,7 @@ XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadsc
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup setup-gpu run lint test test-verl test-quick system-packages
+.PHONY: setup setup-gpu setup-twin run lint test test-verl test-quick system-packages
 
 setup: .venv/.done
 
@@ -78,6 +78,33 @@ setup-gpu: .venv-gpu/.done
 	  assert all(map(find_spec, ['megatron.bridge', 'transformer_engine_torch', 'flash_attn'])); \
 	  print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'vllm', v('vllm'), 'verl', v('verl'), \
 	        'megatron-bridge', v('megatron-bridge'), 'flash-attn', v('flash-attn'))"
+	touch $@
+
+# make setup-twin: .venv-twin, the CPU twin of .venv-gpu: the GPU lock's versions (verl, megatron-core,
+# Megatron-Bridge, transformers, torch 2.11's PyPI build, which runs on CPU too) on Python 3.12, less
+# what only runs on a GPU (vLLM, flashinfer, and the nodeps lock's two compiled extensions). Here verl's
+# megatron backend executes on the CPU platform at the versions a GPU job runs (tests marked `twin`).
+# TWIN_PYTHON: a CPython 3.12; these machines have pyenv's. Without one: `pyenv install 3.12` or
+# `uv python install 3.12`, then TWIN_PYTHON=<its python3.12>.
+# (pyenv's shim answers `command -v` even where 3.12 is not selected, so its versions come first)
+TWIN_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+TWIN_PIP    := .venv-twin/bin/pip
+TWIN_SKIP   := vllm|flashinfer-python|flashinfer-cubin
+
+setup-twin: .venv-twin/.done
+
+.venv-twin/.done: requirements-gpu.lock $(NODEPS) pyproject.toml
+	@"$(TWIN_PYTHON)" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || \
+	  (echo "setup-twin: needs a CPython 3.12 (TWIN_PYTHON='$(TWIN_PYTHON)' is not one): pyenv install 3.12" \
+	   "or uv python install 3.12, then make setup-twin TWIN_PYTHON=<its python3.12>"; exit 1)
+	"$(TWIN_PYTHON)" -m venv .venv-twin
+	echo '*' > .venv-twin/.gitignore
+	$(TWIN_PIP) install -q --upgrade pip
+	grep -v -E '^($(TWIN_SKIP))==' requirements-gpu.lock > .venv-twin/requirements.txt
+	# The lock holds every package: without dependencies pip takes exactly its pins.
+	$(TWIN_PIP) install -q --no-deps -r .venv-twin/requirements.txt
+	$(TWIN_PIP) install -q --no-deps $(call pin,megatron-bridge)
+	$(TWIN_PIP) install -q --no-deps -e .
 	touch $@
 
 # Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.
