@@ -89,7 +89,7 @@ setup-gpu: .venv-gpu/.done
 # (pyenv's shim answers `command -v` even where 3.12 is not selected, so its versions come first)
 TWIN_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
 TWIN_PIP    := .venv-twin/bin/pip
-TWIN_SKIP   := vllm|flashinfer-python|flashinfer-cubin
+TWIN_SKIP   := vllm|flashinfer-python|flashinfer-cubin|transformer_engine\[core_cu13\]|transformer_engine_cu13
 
 setup-twin: .venv-twin/.done
 
