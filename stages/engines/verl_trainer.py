@@ -120,6 +120,9 @@ def backend_overrides(s: GRPOStage) -> dict:
                 "flash_attention_2" if v.remove_padding else "sdpa"
             ),
             "actor_rollout_ref.model.use_remove_padding": v.remove_padding,
+            # verl's default is FSDP1; FSDP2 is what the CPU platform can run (FSDP1 needs a GPU to
+            # start), so the GPUs run what the tests execute. The reference takes the actor's.
+            "actor_rollout_ref.actor.strategy": "fsdp2",
             "actor_rollout_ref.actor.optim.lr_scheduler_type": "constant",
             "actor_rollout_ref.actor.grad_clip": s.grad_clip,  # the FSDP actor's own copy of optim.clip_grad
             "actor_rollout_ref.actor.fsdp_config.param_offload": v.param_offload,
@@ -185,9 +188,6 @@ def platform_overrides(platform: str) -> list[str]:
     overrides = {
         "trainer.device": "cpu",
         "actor_rollout_ref.rollout.name": CPU_ROLLOUT,
-        # FSDP1 needs a GPU to start (sync_module_states); FSDP2 does not
-        "actor_rollout_ref.actor.strategy": "fsdp2",
-        "actor_rollout_ref.ref.strategy": "fsdp2",
         "actor_rollout_ref.model.enable_gradient_checkpointing": False,
         "actor_rollout_ref.actor.use_torch_compile": False,
         "actor_rollout_ref.ref.use_torch_compile": False,

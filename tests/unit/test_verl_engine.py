@@ -547,3 +547,12 @@ def test_verls_process_groups_wait_the_profiles_collective_timeout(platform, mon
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.split()[-1]) == 1234
+
+
+def test_gpus_run_verls_fsdp2_as_the_cpu_tests_do(tmp_path):
+    """verl's default strategy is FSDP1, which cannot start on the CPU platform: the GPU jobs must run
+    the FSDP2 the CPU tests execute, actor and reference alike."""
+    cfg = load_config(CONFIG_8B, [SHAPE_8B], data_files=False)
+    for sid in ("stage2_grpo", "stage4_grpo"):
+        config = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), sid, 2, 4))
+        assert config.actor_rollout_ref.actor.strategy == config.actor_rollout_ref.ref.strategy == "fsdp2"
