@@ -87,6 +87,11 @@ class RunDir:
         """Held-out accuracy the stage's ranks measured on final/, picked up into the manifest."""
         return self.stage(stage_id) / "eval.json"
 
+    def wandb_run(self, stage_id: str) -> tuple[str, str]:
+        """(name, id) of the stage's wandb run: one run for all its attempts, which resume it."""
+        name = f"{self.root.name}/{stage_id}"
+        return name, name.replace("/", "-")
+
     def model_dir(self, source: str) -> Path:
         """Where a stage's starting model lives: 'base' or an earlier stage's final/."""
         return self.base_model if source == "base" else self.final(source)

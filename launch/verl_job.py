@@ -256,11 +256,12 @@ def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds)
 
 def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
     """What verl's processes read from their environment: its file logger's path (one file an
-    attempt: verl opens it with "wb"), wandb's mode and folder (verl's wandb.init names neither), and
+    attempt: verl opens it with "wb"), wandb's mode, folder and run (verl's wandb.init names none), and
     the platform. Given to main_ppo's process and to its Ray job's runtime environment."""
     env = {"VERL_FILE_LOGGER_PATH": str(metrics_file), "WANDB_DIR": str(run.stage(sid).resolve())}
     if cfg.wandb.mode != "disabled":
-        env["WANDB_MODE"] = cfg.wandb.mode
+        # one wandb run for every attempt (verl's wandb.init names no id: a requeue would open another)
+        env.update(WANDB_MODE=cfg.wandb.mode, WANDB_RUN_ID=run.wandb_run(sid)[1], WANDB_RESUME="allow")
     return {**env, **verl_process_env(_platform())}
 
 

@@ -22,7 +22,7 @@ class MetricsLogger:
         resume_step: int,
         wandb_mode: str,
         wandb_project: str,
-        run_name: str,
+        wandb_run: tuple[str, str],
         config: dict,
     ):
         self.path, self.enabled = path, enabled
@@ -38,12 +38,12 @@ class MetricsLogger:
 
             self._wandb = wandb.init(
                 project=wandb_project,
-                name=run_name,
+                name=wandb_run[0],
                 dir=str(path.parent),
                 mode=wandb_mode,
                 config=config,
                 resume="allow",
-                id=run_name.replace("/", "-"),
+                id=wandb_run[1],
             )
 
     def _truncate_after(self, step: int) -> None:

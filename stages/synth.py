@@ -282,7 +282,7 @@ def write_outputs(
         0,
         cfg.wandb.mode,
         cfg.wandb.project,
-        f"{run.root.name}/{sid}",
+        run.wandb_run(sid),
         cfg.model_dump(mode="json"),
     )
     metrics.log(1, {**summary, **{f"phase_time/{k}": v for k, v in take_phase_times().items()}})

@@ -42,7 +42,7 @@ def train(ctx: StageContext, engine, init_dir, train_step: StepFn, postfix: Call
         step,
         cfg.wandb.mode,
         cfg.wandb.project,
-        f"{run.root.name}/{ctx.stage_id}",
+        run.wandb_run(ctx.stage_id),
         cfg.model_dump(mode="json"),
     )
     bar = ctx.progress(stage.steps, initial=step)

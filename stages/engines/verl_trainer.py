@@ -101,7 +101,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "trainer.val_before_train": False,
         "trainer.test_freq": s.steps,
         "trainer.project_name": cfg.wandb.project,
-        "trainer.experiment_name": f"{run.root.name}/{sid}",
+        "trainer.experiment_name": run.wandb_run(sid)[0],
         "trainer.logger": logger_list(cfg),
         **backend_overrides(s),
         **profiler_overrides(cfg, s, paths["traces"]),

@@ -11,7 +11,7 @@ from stages.metrics import MetricsLogger
 
 
 def open_log(path, resume_step: int) -> MetricsLogger:
-    return MetricsLogger(path, True, resume_step, "disabled", "p", "run", {})
+    return MetricsLogger(path, True, resume_step, "disabled", "p", ("run", "run"), {})
 
 
 def steps_in(path) -> list[int]:

@@ -556,3 +556,34 @@ def test_gpus_run_verls_fsdp2_as_the_cpu_tests_do(tmp_path):
     for sid in ("stage2_grpo", "stage4_grpo"):
         config = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), sid, 2, 4))
         assert config.actor_rollout_ref.actor.strategy == config.actor_rollout_ref.ref.strategy == "fsdp2"
+
+
+# verl's wandb.init (verl/utils/tracking.py:85): a project and a name, no id
+VERLS_WANDB_INIT = """
+import sys, wandb
+run = wandb.init(project="hpcr1", name=sys.argv[1])
+print(run.id)
+run.finish()
+"""
+
+
+def test_every_attempt_of_a_verl_stage_logs_to_one_wandb_run(verl_stage_run):
+    """verl's wandb.init names no run id: without one from the job each requeued attempt would open a
+    new wandb run. Two attempts' environments, given to wandb.init as verl calls it, open one run."""
+    from launch import verl_job
+
+    cfg, run, started = verl_stage_run
+    for _ in range(2):
+        assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
+    ids = []
+    for _, env in started:
+        out = subprocess.run(
+            [sys.executable, "-c", VERLS_WANDB_INIT, "attempt"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        ids.append(out.stdout.split()[-1])
+    assert ids[0] == ids[1] == env["WANDB_RUN_ID"], ids
