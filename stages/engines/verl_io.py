@@ -4,11 +4,14 @@ and its held-out validation as eval.json."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from core.atomic import atomic_write_text
@@ -116,10 +119,15 @@ def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
     # `hpcr1 submit` imports this module without ever reading a trace
     from runtime.trace_parser import parse_trace
 
+    paths = sorted(trace_dir.glob("*.json*"))
+    parse = functools.partial(parse_trace, stage=stage, phase_names=VERL_PHASES)
+    # A trace with shapes is hundreds of MB at scale: the profiled ranks' traces parse side by side.
+    with ProcessPoolExecutor(max_workers=max(1, min(len(paths), os.cpu_count() or 1))) as pool:
+        parsed = list(pool.map(parse, paths))
     by_rank: dict[int, list[dict]] = {}
-    for path in sorted(trace_dir.glob("*.json*")):
+    for path, trace_events in zip(paths, parsed, strict=True):
         step = _TRACE_STEP.search(path.name)
-        for event in parse_trace(path, stage=stage, phase_names=VERL_PHASES):
+        for event in trace_events:
             if step:
                 event["step"] = int(step.group(1))
             by_rank.setdefault(event["rank"], []).append(event)

@@ -104,7 +104,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "trainer.experiment_name": run.wandb_run(sid)[0],
         "trainer.logger": logger_list(cfg),
         **backend_overrides(s),
-        **profiler_overrides(cfg, s, paths["traces"]),
+        **profiler_overrides(cfg, s, paths["traces"], nnodes, gpus_per_node),
     }
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
 
@@ -153,22 +153,30 @@ def token_budget_overrides(v) -> dict:
     }
 
 
-def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path) -> dict:
-    """torch-profiler traces of the chosen steps, from every rank of the actor/reference/rollout
+def profiler_overrides(cfg: RunConfig, s: GRPOStage, traces: Path, nnodes: int, gpus_per_node: int) -> dict:
+    """torch-profiler traces of the chosen steps, from the profiled ranks of the actor/reference/rollout
     worker, into the stage directory (verl_job turns them into profile/ events)."""
     if not cfg.profile.comm or not s.verl.profile_steps:
         return {}
+    ranks = profiled_ranks(s.verl.profile_ranks, nnodes, gpus_per_node)
     return {
         "global_profiler.tool": "torch",
         "global_profiler.steps": list(s.verl.profile_steps),
         "global_profiler.save_path": traces,
         "actor_rollout_ref.actor.profiler.enable": True,
-        "actor_rollout_ref.actor.profiler.all_ranks": True,
+        "actor_rollout_ref.actor.profiler.ranks": ranks,
         "actor_rollout_ref.ref.profiler.enable": True,
-        "actor_rollout_ref.ref.profiler.all_ranks": True,
+        "actor_rollout_ref.ref.profiler.ranks": ranks,
         # record_param_comms carries the collectives' sizes only with shapes recorded
         "actor_rollout_ref.actor.profiler.tool_config.torch.contents": ["cuda", "shapes"],
     }
+
+
+def profiled_ranks(chosen: list[int] | None, nnodes: int, gpus_per_node: int) -> list[int]:
+    """`chosen`, or every rank of the first node and the first of each other node (VerlConfig)."""
+    if chosen is not None:
+        return sorted(set(chosen))
+    return list(range(gpus_per_node)) + [node * gpus_per_node for node in range(1, nnodes)]
 
 
 def logger_list(cfg: RunConfig) -> list[str]:
@@ -315,6 +323,11 @@ def check_verl_stage(
             "or engine 'native', which has one",
         )
     check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
+    outside = [rank for rank in s.verl.profile_ranks or [] if rank >= nnodes * gpus_per_node]
+    if outside:
+        raise ConfigError(
+            f"{sid}.verl.profile_ranks", f"{outside}: not ranks of the job's {nnodes * gpus_per_node} GPUs"
+        )
     overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node) + platform_overrides(platform)
     try:
         validate_verl_config(compose_verl_config(overrides))

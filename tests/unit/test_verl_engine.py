@@ -587,3 +587,24 @@ def test_every_attempt_of_a_verl_stage_logs_to_one_wandb_run(verl_stage_run):
         assert out.returncode == 0, out.stderr[-3000:]
         ids.append(out.stdout.split()[-1])
     assert ids[0] == ids[1] == env["WANDB_RUN_ID"], ids
+
+
+def test_the_torch_profiler_records_one_node_whole_and_the_first_rank_of_each_other(composed_70b):
+    """A trace with shapes is large and each is parsed in the hand-over: at 32 nodes of 4, the ranks
+    of the first node and the first of every other (35 traces), not all 128."""
+    _, _, composed = composed_70b
+    expected = [0, 1, 2, 3, *range(4, 128, 4)]
+    for config in composed.values():
+        for role in (config.actor_rollout_ref.actor, config.actor_rollout_ref.ref):
+            assert not role.profiler.all_ranks and list(role.profiler.ranks) == expected
+
+
+def test_profiled_ranks_may_be_chosen_and_must_be_the_jobs(tmp_path):
+    cfg = config_70b("stage2_grpo.verl.profile_ranks=[5,0]")
+    config = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
+    assert list(config.actor_rollout_ref.actor.profiler.ranks) == [0, 5]
+    with pytest.raises(ConfigError) as e:
+        check_verl_stage(
+            config_70b("stage2_grpo.verl.profile_ranks=[128]"), RunDir(tmp_path), "stage2_grpo", 32, 4
+        )
+    assert e.value.field == "stage2_grpo.verl.profile_ranks"
