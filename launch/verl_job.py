@@ -48,6 +48,7 @@ from stages.engines.verl_generation import (
     check_generation,
     generation_overrides,
     read_responses,
+    replica_count,
 )
 from stages.engines.verl_generation import MODULE as GENERATION_MODULE
 from stages.engines.verl_io import (
@@ -117,8 +118,17 @@ def check_verl_job(
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
+    answers = planned_prompts(cfg, sid) * sampling.n
     overrides = generation_overrides(  # the model is an earlier stage's, not there yet: any path composes
-        Path("/model"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, nnodes, gpus_per_node
+        Path("/model"),
+        rollout,
+        sampling,
+        paths["prompts"],
+        paths["output"],
+        cfg.seed,
+        nnodes,
+        gpus_per_node,
+        answers,
     ) + platform_overrides(platform)
     check_generation(field, rollout, sampling, overrides, (nnodes, gpus_per_node))
 
@@ -183,6 +193,16 @@ def generation_of(cfg: RunConfig, sid: str) -> tuple[str, VerlRolloutConfig, Sam
         sampling = Sampling(stage.samples_per_prompt, stage.temperature, stage.top_p, stage.max_new_tokens)
         return sid, stage.verl, sampling
     return "eval", cfg.eval.verl, Sampling(1, GREEDY, 1.0, cfg.eval.max_new_tokens)
+
+
+def planned_prompts(cfg: RunConfig, sid: str) -> int:
+    """The prompts stage `sid`'s generation on verl is given at most (synthesis's, or held-out eval's)."""
+    stage = getattr(cfg, sid)
+    return (
+        stage.num_prompts
+        if isinstance(stage, SynthStage) and stage.engine == "verl"
+        else cfg.eval.num_examples
+    )
 
 
 def generation_paths(run: RunDir, sid: str) -> dict[str, Path]:
@@ -276,7 +296,14 @@ def _generate_on_verl(
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
     overrides = generation_overrides(
-        model_dir.resolve(), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, *nodes
+        model_dir.resolve(),
+        rollout,
+        sampling,
+        paths["prompts"],
+        paths["output"],
+        cfg.seed,
+        *nodes,
+        len(examples) * sampling.n,
     ) + platform_overrides(_platform())
     check_generation(field, rollout, sampling, overrides, nodes)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -304,7 +331,7 @@ def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass
         return answers
     with phase("scoring"):
         accepted = accepted_answers(prompts, answers)
-    replicas = nodes[0] * nodes[1] // stage.verl.rollout_tp
+    replicas = replica_count(stage.verl, len(prompts) * stage.samples_per_prompt, *nodes)
     write_outputs(
         cfg,
         run,

@@ -13,6 +13,7 @@ engine's seed (each request also carries its own).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +46,11 @@ def generation_overrides(
     seed: int,
     nnodes: int,
     gpus_per_node: int,
+    answers: int,
 ) -> list[str]:
-    """The generation job's verl config: `prompts` (verl's RL rows) in, `output` out."""
+    """The generation job's verl config: `prompts` (verl's RL rows) in, `output` out; `answers` of
+    them in all, on the job's `nnodes` x `gpus_per_node` GPUs (replica_layout)."""
+    nnodes, gpus_per_node = replica_layout(rollout, answers, nnodes, gpus_per_node)
     overrides = {
         "data.train_files": prompts,
         "data.prompt_key": "prompt",
@@ -67,6 +71,25 @@ def generation_overrides(
         "trainer.n_gpus_per_node": gpus_per_node,
     }
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+def replica_layout(
+    rollout: VerlRolloutConfig, answers: int, nnodes: int, gpus_per_node: int
+) -> tuple[int, int]:
+    """(nodes, GPUs a node) of the job that the rollout replicas take (verl starts one on every
+    `rollout_tp` of them): as many as keep each sent `requests_in_flight` at once, at most all. A 70B
+    replica loads for minutes: one on each of 32 x 4 GPUs for 500 held-out prompts would load 8 times
+    the weights the answers need. Past one node, whole nodes (verl's layout is nodes x GPUs a node)."""
+    replicas = max(1, math.ceil(answers / rollout.requests_in_flight))
+    gpus = min(replicas * rollout.rollout_tp, nnodes * gpus_per_node)
+    if gpus <= gpus_per_node:
+        return 1, gpus
+    return math.ceil(gpus / gpus_per_node), gpus_per_node
+
+
+def replica_count(rollout: VerlRolloutConfig, answers: int, nnodes: int, gpus_per_node: int) -> int:
+    nodes, gpus = replica_layout(rollout, answers, nnodes, gpus_per_node)
+    return nodes * gpus // rollout.rollout_tp
 
 
 def check_generation(

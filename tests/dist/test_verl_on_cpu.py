@@ -78,7 +78,7 @@ def test_greedy_answers_from_verls_replicas_are_hugging_faces_greedy_answers(ver
 
     from stages.data.examples import read_examples
 
-    cfg, run = prepared_run(tmp_path)
+    cfg, run = prepared_run(tmp_path, "eval.verl.requests_in_flight=4")  # 8 answers: 2 replicas
     examples = read_examples(run.task_file("eval"))[:8]
     script = (
         "import json, sys; from pathlib import Path; from core.config import load_resolved; "

@@ -44,13 +44,30 @@ def config_70b(*overrides: str):
     return load_config(CONFIG_70B, [SHAPE_70B, *overrides], data_files=False)
 
 
-def composed(cfg, sid: str, run: RunDir):
+def composed(cfg, sid: str, run: RunDir, prompts: int = 500):
+    """verl's generation config for `prompts` prompts on a job of 32 nodes of 4 GPUs."""
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
     overrides = generation_overrides(
-        Path("/models/final"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, 32, 4
-    )
+        Path("/models/final"), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, 32, 4,
+        prompts * sampling.n,
+    )  # fmt: skip
     return compose_verl_config(overrides)
+
+
+def test_held_out_eval_starts_the_replicas_its_prompts_need_not_one_on_every_gpu(tmp_path):
+    """500 held-out prompts after a stage of 32 nodes: 2 replicas of 4 GPUs hold them all (256 in
+    flight each), not 32 replicas of the 70B each loading 141 GB. Synthesis's 2000 prompts x 4
+    answers keep 32 replicas busy: it takes every GPU."""
+    cfg = config_70b("stage3_synth.samples_per_prompt=4")
+    trainer = composed(cfg, "stage1_sft", RunDir(tmp_path), prompts=500).trainer
+    assert (trainer.nnodes, trainer.n_gpus_per_node) == (2, 4)
+    trainer = composed(cfg, "stage3_synth", RunDir(tmp_path), prompts=2000).trainer
+    assert (trainer.nnodes, trainer.n_gpus_per_node) == (32, 4)
+    # fewer GPUs than a node: part of one
+    one = config_70b("eval.verl.rollout_tp=1", "eval.verl.requests_in_flight=200")
+    trainer = composed(one, "stage1_sft", RunDir(tmp_path), prompts=500).trainer
+    assert (trainer.nnodes, trainer.n_gpus_per_node) == (1, 3)
 
 
 def test_synthesis_settings_reach_verls_rollout_config(tmp_path):
