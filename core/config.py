@@ -155,7 +155,7 @@ class EvalConfig(Section):
     """What generates the held-out answers of stages that do not run on verl: 'native' (each
     rank loads the whole model in its dtype and decodes its share) or 'verl' (verl's generation
     server after training, for models one GPU cannot hold; GPU clusters only). A GRPO stage on verl
-    is always scored by verl's own validation."""
+    is always scored by verl's generation server, with the same settings."""
     verl: VerlRolloutConfig = VerlRolloutConfig()
     """The rollout engine's settings (engine 'verl')."""
 

@@ -44,6 +44,8 @@ from runtime.rank_failure import record_exception, record_printed_exception
 from stages.data.examples import DataError, Example, read_examples
 from stages.engines.verl_generation import (
     GREEDY,
+    RESPONSES,
+    SAMPLED_RESPONSES,
     Sampling,
     check_generation,
     generation_overrides,
@@ -53,7 +55,6 @@ from stages.engines.verl_generation import (
 from stages.engines.verl_generation import MODULE as GENERATION_MODULE
 from stages.engines.verl_io import (
     check_prompt_lengths,
-    held_out_result,
     latest_step,
     merge_to_final,
     next_metrics_file,
@@ -259,19 +260,18 @@ def _usr1_stops_the_job():
 
 
 def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
+    """main_ppo to the last step (unless an attempt before got there), the hand-over, then final/'s
+    held-out eval on verl's replicas, as every stage on verl is scored."""
     overrides, paths = check_verl_stage(cfg, run, sid, *nodes, _platform()), verl_paths(run, sid)
-    write_verl_data(cfg, run, sid)
-    env = verl_env(cfg, run, sid, next_metrics_file(paths["metrics"]))
-    if latest_step(paths["ckpt"]) == getattr(cfg, sid).steps:
-        # verl loads that checkpoint and trains no step: only validation before training then scores
-        # the final policy (an attempt that died between its last checkpoint and its validation).
-        overrides.append("trainer.val_before_train=true")
-    rc = _run_verl(
-        run, sid, ["-m", "verl.trainer.main_ppo", *overrides, *runtime_env_overrides(env)], env, pass_fds
-    )
-    if rc == 0:
-        finish_verl_stage(cfg, run, sid)
-    return rc
+    if latest_step(paths["ckpt"]) != getattr(cfg, sid).steps:
+        write_verl_data(cfg, run, sid)
+        env = verl_env(cfg, run, sid, next_metrics_file(paths["metrics"]))
+        args = ["-m", "verl.trainer.main_ppo", *overrides, *runtime_env_overrides(env)]
+        rc = _run_verl(run, sid, args, env, pass_fds)
+        if rc != 0:
+            return rc
+    finish_verl_stage(cfg, run, sid)
+    return _evaluate_on_verl(cfg, run, sid, nodes, pass_fds)
 
 
 def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
@@ -286,24 +286,26 @@ def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
 
 
 def _generate_on_verl(
-    cfg, run: RunDir, sid: str, model_dir: Path, examples: list[Example], nodes: tuple[int, int], pass_fds
-) -> list[list[str]] | int:
-    """verl's answers to `examples` from `model_dir` (a list of n a prompt), or its exit code."""
+    cfg,
+    run: RunDir,
+    sid: str,
+    model_dir: Path,
+    examples: list[Example],
+    nodes: tuple[int, int],
+    pass_fds,
+    sampled: Sampling | None = None,
+) -> dict[str, list[list[str]]] | int:
+    """verl's answers to `examples` from `model_dir` ({RESPONSES: a list of n a prompt}, and with
+    `sampled` its answers under SAMPLED_RESPONSES, from the same replicas), or its exit code."""
     from transformers import AutoTokenizer
 
     from runtime.phases import phase
 
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
+    answers = len(examples) * (sampling.n + (sampled.n if sampled else 0))
     overrides = generation_overrides(
-        model_dir.resolve(),
-        rollout,
-        sampling,
-        paths["prompts"],
-        paths["output"],
-        cfg.seed,
-        *nodes,
-        len(examples) * sampling.n,
+        model_dir.resolve(), rollout, sampling, paths["prompts"], paths["output"], cfg.seed, *nodes, answers
     ) + platform_overrides(_platform())
     check_generation(field, rollout, sampling, overrides, nodes)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -312,11 +314,17 @@ def _generate_on_verl(
     paths["output"].unlink(missing_ok=True)  # an earlier attempt's
     env = verl_process_env(_platform())
     limits = [str(rollout.requests_in_flight), str(rollout.request_timeout_s)]
+    extra = json.dumps(sampled and {"n": sampled.n, "temperature": sampled.temperature})
     with phase("generation"):
         rc = _run_verl(
-            run, sid, ["-m", GENERATION_MODULE, json.dumps(env), *limits, *overrides], env, pass_fds
+            run, sid, ["-m", GENERATION_MODULE, json.dumps(env), *limits, extra, *overrides], env, pass_fds
         )
-    return rc if rc != 0 else read_responses(paths["output"], len(examples), sampling.n)
+    if rc != 0:
+        return rc
+    columns = {RESPONSES: sampling.n, **({SAMPLED_RESPONSES: sampled.n} if sampled else {})}
+    return {
+        column: read_responses(paths["output"], len(examples), n, column) for column, n in columns.items()
+    }
 
 
 def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
@@ -330,7 +338,7 @@ def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass
     if isinstance(answers, int):
         return answers
     with phase("scoring"):
-        accepted = accepted_answers(prompts, answers)
+        accepted = accepted_answers(prompts, answers[RESPONSES])
     replicas = replica_count(stage.verl, len(prompts) * stage.samples_per_prompt, *nodes)
     write_outputs(
         cfg,
@@ -346,14 +354,24 @@ def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass
 
 
 def _evaluate_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
-    from stages.eval import accuracy_of, tally
+    """final/'s held-out result as the native eval measures it (stages/eval.py): greedy answers,
+    and the mean accuracy of eval.samples (k) answers sampled at eval.temperature, all at
+    eval.max_new_tokens, by verl's replicas."""
+    from stages.eval import accuracy_of, mean_at_k, tally
 
     examples = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
-    answers = _generate_on_verl(cfg, run, sid, run.final(sid), examples, nodes, pass_fds)
+    k = cfg.eval.samples
+    sampled = Sampling(k, cfg.eval.temperature, 1.0, cfg.eval.max_new_tokens) if k else None
+    answers = _generate_on_verl(cfg, run, sid, run.final(sid), examples, nodes, pass_fds, sampled)
     if isinstance(answers, int):
         return answers
-    result = accuracy_of(tally(examples, [a[0] for a in answers]))
-    atomic_write_text(run.eval_result(sid), json.dumps({**result, "engine": "verl"}))
+    result = accuracy_of(tally(examples, [a[0] for a in answers[RESPONSES]]))
+    if k:
+        rows = [ex for ex in examples for _ in range(k)]  # each problem's k answers side by side
+        flat = [a for row in answers[SAMPLED_RESPONSES] for a in row]
+        result.update(mean_at_k(tally(rows, flat), k), temperature=cfg.eval.temperature)
+    result.update(engine="verl", max_new_tokens=cfg.eval.max_new_tokens)
+    atomic_write_text(run.eval_result(sid), json.dumps(result))
     print(f"{sid}: held-out accuracy {result['accuracy']:.3f} on {result['n']} examples (verl)", flush=True)
     return 0
 
@@ -416,7 +434,4 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)
-    rows = verl_metric_rows(paths["metrics"])
-    write_metrics(rows, run.metrics(sid))
-    n_eval = min(cfg.eval.num_examples, len(read_examples(run.task_file("eval"))))
-    atomic_write_text(run.eval_result(sid), json.dumps(held_out_result(rows, DATA_SOURCE, n_eval)))
+    write_metrics(verl_metric_rows(paths["metrics"]), run.metrics(sid))

@@ -6,10 +6,12 @@ main_generation_server, which sends every request at once, one HTTP session each
 each bounded by `timeout_s`, so a synthesis of tens of thousands of answers opens no sockets and a
 dead or hung replica fails the job naming it instead of holding it to its time limit.
 
-    python -m stages.engines.verl_generate ENV_JSON IN_FLIGHT TIMEOUT_S OVERRIDES...
+    python -m stages.engines.verl_generate ENV_JSON IN_FLIGHT TIMEOUT_S SAMPLED_JSON OVERRIDES...
 
 OVERRIDES are verl's `ppo_trainer` config as stages/engines/verl_generation.py writes them (prompts
 in `data.train_files`, answers to `data.output_path`); ENV_JSON the environment verl's actors need.
+SAMPLED_JSON: null, or {"n": k, "temperature": t}: k more answers a prompt sampled at t by the same
+replicas (held-out eval's mean@k beside its greedy answers), into a second column.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import json
 import sys
 
-from stages.engines.verl_generation import RESPONSES
+from stages.engines.verl_generation import RESPONSES, SAMPLED_RESPONSES
 from stages.engines.verl_trainer import compose_verl_config
 
 
@@ -68,7 +70,8 @@ def main(argv: list[str]) -> int:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    env, in_flight, timeout_s, overrides = json.loads(argv[0]), int(argv[1]), float(argv[2]), argv[3:]
+    env, in_flight, timeout_s = json.loads(argv[0]), int(argv[1]), float(argv[2])
+    sampled, overrides = json.loads(argv[3]), argv[4:]
     config = compose_verl_config(overrides)
     OmegaConf.resolve(config)
     rollout = config.actor_rollout_ref.rollout
@@ -84,16 +87,22 @@ def main(argv: list[str]) -> int:
     from verl.trainer.main_generation_server import start_server
 
     ray.init(runtime_env={"env_vars": env}, logging_level="ERROR")
+    passes = [(RESPONSES, rollout.n, sampling)]
+    if sampled:
+        passes.append((SAMPLED_RESPONSES, sampled["n"], {**sampling, "temperature": sampled["temperature"]}))
     try:
         servers, addresses = asyncio.run(start_server(config))
-        answers = asyncio.run(
-            generate_all(servers, addresses, prompts, rollout.n, sampling, rollout.seed, in_flight, timeout_s)
-        )
+        for column, n, params in passes:
+            # the second pass's seeds follow the first's: no request shares its seed with another
+            seed = rollout.seed + (len(prompts) * rollout.n if column == SAMPLED_RESPONSES else 0)
+            answers = asyncio.run(
+                generate_all(servers, addresses, prompts, n, params, seed, in_flight, timeout_s)
+            )
+            table[column] = [[tokenizer.decode(a, skip_special_tokens=True) for a in row] for row in answers]
+            print(f"{len(answers)} prompts x {n} answers -> {config.data.output_path} ({column})", flush=True)
     finally:
         ray.shutdown()
-    table[RESPONSES] = [[tokenizer.decode(a, skip_special_tokens=True) for a in row] for row in answers]
     table.to_parquet(config.data.output_path)
-    print(f"{len(answers)} prompts x {rollout.n} answers -> {config.data.output_path}", flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ from stages.engines.verl_trainer import check_rollout_gpus, compose_verl_config,
 
 MODULE = "stages.engines.verl_generate"  # verl's replicas, asked with bounded requests
 RESPONSES = "responses"  # the column of answers added to the prompt rows
+SAMPLED_RESPONSES = "sampled_responses"  # held-out eval's k sampled answers, beside the greedy ones
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,12 @@ def check_generation(
         raise ConfigError(f"{field}.verl", f"verl rejects the generation config: {message}") from None
 
 
-def read_responses(output: Path, rows: int, n: int) -> list[list[str]]:
+def read_responses(output: Path, rows: int, n: int, column: str = RESPONSES) -> list[list[str]]:
     """The answers, one list of `n` a prompt row, in the rows' order."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(output, columns=[RESPONSES])
-    responses = [list(r) for r in table.column(RESPONSES).to_pylist()]
+    table = pq.read_table(output, columns=[column])
+    responses = [list(r) for r in table.column(column).to_pylist()]
     if len(responses) != rows or any(len(r) != n for r in responses):
         raise RuntimeError(
             f"{output}: expected {rows} rows of {n} answers, found {len(responses)} rows "

@@ -1,6 +1,6 @@
 """A verl GRPO stage's inputs and outputs in our formats: the prompt set as verl's parquet files,
 verl's last checkpoint as our Hugging Face final/, its torch-profiler traces as profile/ events,
-and its held-out validation as eval.json."""
+and its file logger's rows as metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -175,15 +175,3 @@ def write_metrics(rows: list[dict], metrics: Path) -> None:
         }
         out.append({"step": row["step"], **data, **phases})
     atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in out))
-
-
-def held_out_result(rows: list[dict], data_source: str, n: int) -> dict:
-    """The last validation verl logged (at the final step: the policy final/ holds), as eval.json."""
-    core, aux = f"val-core/{data_source}/acc/mean@1", f"val-aux/{data_source}/format_ok/mean@1"
-    last = None
-    for row in rows:
-        if core in row.get("data", {}):
-            last = row["data"]
-    if last is None:
-        raise RuntimeError(f"verl logged no held-out accuracy ({core}) in any attempt's metrics")
-    return {"accuracy": float(last[core]), "format_rate": float(last[aux]) if aux in last else None, "n": n}

@@ -97,9 +97,9 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "trainer.max_actor_ckpt_to_keep": s.keep_checkpoints,
         "trainer.resume_mode": "auto",
         "trainer.default_local_dir": paths["ckpt"],
-        # Held-out accuracy of the last step's policy (= final/): greedy, on our eval set.
+        # No validation in training: final/ is scored after the hand-over as every stage's is (eval.*)
         "trainer.val_before_train": False,
-        "trainer.test_freq": s.steps,
+        "trainer.test_freq": -1,
         "trainer.project_name": cfg.wandb.project,
         "trainer.experiment_name": run.wandb_run(sid)[0],
         "trainer.logger": logger_list(cfg),

@@ -2,8 +2,8 @@
 verl's own checkpoint manager on 2 real ranks, and verl's file-logger rows. The stage driver merges
 the checkpoint with verl's merger into final/, whose logits equal those of the weights
 torch.distributed gathers independently (rounded to bf16, the dtype verl's merger writes), and
-records the stage done with final/'s checksums and the held-out accuracy verl measured, as any
-stage. verl's whole trainer, its faults and its metrics: tests/slurm/test_slurm_verl.py."""
+records the stage done with final/'s checksums and its held-out result, as any stage. verl's whole
+trainer, its faults and its metrics: tests/slurm/test_slurm_verl.py."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ CONFIG = {
 # verl's file-logger rows of the two steps: timers each step, the validation at the last
 VERL_ROWS = [
     (1, {"timing_s/gen": 1.5, "timing_s/update_actor": 0.5}),
-    (2, {"timing_s/gen": 1.0, "val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0}),
+    (2, {"timing_s/gen": 1.0, "timing_s/update_actor": 0.4}),
 ]
+# what verl's replicas would score final/ at after the hand-over (launch.verl_job._evaluate_on_verl)
+HELD_OUT = {"accuracy": 0.75, "format_rate": 1.0, "n": 4, "engine": "verl"}
 
 
 def logits(model_dir, ids, state_dict=None) -> torch.Tensor:
@@ -68,6 +70,7 @@ def test_a_verl_stage_merges_its_checkpoint_into_final_and_is_done_once_its_resu
             "".join(json.dumps({"step": step, "data": data}) + "\n" for step, data in VERL_ROWS)
         )
         finish_verl_stage(cfg, run, sid)
+        run.eval_result(sid).write_text(json.dumps(HELD_OUT))
         return 0
 
     run_stage(cfg, run, manifest, sid, main_ppo_and_finish)
@@ -82,7 +85,7 @@ def test_a_verl_stage_merges_its_checkpoint_into_final_and_is_done_once_its_resu
     assert not final.with_name("final.tmp").exists()
 
     entry = Manifest(run.root).stage(sid)
-    assert entry["state"] == "done" and entry["eval"] == {"accuracy": 0.75, "format_rate": 1.0, "n": 4}
+    assert entry["state"] == "done" and entry["eval"] == HELD_OUT
     assert {"model.safetensors", "tokenizer_config.json"} <= set(entry["checksums"])
     rollout = [json.loads(line)["phase_time/rollout"] for line in run.metrics(sid).read_text().splitlines()]
     assert rollout == [1.5, 1.0]

@@ -86,7 +86,7 @@ def test_greedy_answers_from_verls_replicas_are_hugging_faces_greedy_answers(ver
         "from stages.data.examples import read_examples; run = RunDir(Path(sys.argv[1])); "
         "cfg = load_resolved(run); ex = read_examples(run.task_file('eval'))[:8]; "
         "answers = _generate_on_verl(cfg, run, 'stage2_grpo', run.base_model, ex, (1, 2), ()); "
-        "print('ANSWERS', json.dumps(answers))"
+        "print('ANSWERS', json.dumps(answers['responses']))"
     )
     out = subprocess.run([sys.executable, "-c", script, str(run.root)], env=verl_env, cwd=REPO,
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -21,6 +21,7 @@ from core.cluster import COLLECTIVE_TIMEOUT_ENV
 from core.config import ConfigError, load_config
 from core.rundir import RunDir
 from launch import verl_job
+from launch.verl_job import _evaluate_on_verl as EVALUATE_ON_VERL
 from launch.verl_job import _run_verl as run_verl_for_real
 from launch.verl_job import check_verl_job
 from pipeline.cli import main
@@ -28,7 +29,6 @@ from runtime.preemption import PREEMPTED_EXIT
 from runtime.trace_parser import parse_trace
 from stages.engines.verl_io import (
     VERL_PHASES,
-    held_out_result,
     next_metrics_file,
     traces_to_events,
     verl_metric_rows,
@@ -356,24 +356,6 @@ def log_attempt(folder: Path, rows: list[tuple[int, dict]]) -> Path:
     return path
 
 
-def test_held_out_accuracy_is_read_from_verls_last_validation(tmp_path):
-    log_attempt(
-        tmp_path,
-        [
-            (1, {"val-core/hpcr1/acc/mean@1": 0.25, "val-aux/hpcr1/format_ok/mean@1": 0.5}),
-            (2, {"actor/pg_loss": 0.1}),
-            (3, {"val-core/hpcr1/acc/mean@1": 0.75, "val-aux/hpcr1/format_ok/mean@1": 1.0}),
-        ],
-    )
-    assert held_out_result(verl_metric_rows(tmp_path), "hpcr1", 4) == {
-        "accuracy": 0.75,
-        "format_rate": 1.0,
-        "n": 4,
-    }
-    with pytest.raises(RuntimeError, match="no held-out accuracy"):
-        held_out_result(verl_metric_rows(tmp_path / "missing"), "hpcr1", 4)
-
-
 def test_a_resumed_attempt_adds_to_the_metrics_of_the_one_before_and_redone_steps_keep_the_last(tmp_path):
     first = log_attempt(tmp_path, [(1, {"actor/pg_loss": 1.0}), (2, {"actor/pg_loss": 2.0})])
     second = log_attempt(tmp_path, [(2, {"actor/pg_loss": 2.5}), (3, {"val-core/hpcr1/acc/mean@1": 0.5})])
@@ -384,7 +366,6 @@ def test_a_resumed_attempt_adds_to_the_metrics_of_the_one_before_and_redone_step
         (2, {"actor/pg_loss": 2.5}),
         (3, {"val-core/hpcr1/acc/mean@1": 0.5}),
     ]
-    assert held_out_result(rows, "hpcr1", 2)["accuracy"] == 0.5
 
 
 def test_hpcr1_config_shows_the_engine_and_its_verl_section(capsys):
@@ -444,7 +425,7 @@ def verl_stage_run(tmp_path, monkeypatch):
     from launch import verl_job
     from pipeline.driver import check_run, write_run
 
-    stage = ["init_from=base", "engine=verl", "verl.rollout_tp=1", "prompts_per_step=8"]
+    stage = ["init_from=base", "engine=verl", "verl.rollout_tp=1", "prompts_per_step=8", "max_new_tokens=48"]
     overrides = [*SMALL_DATA, *(f"stage2_grpo.{o}" for o in stage), "wandb.mode=offline"]
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
     run = RunDir(tmp_path / "run")
@@ -454,6 +435,7 @@ def verl_stage_run(tmp_path, monkeypatch):
         verl_job, "_run_verl", lambda run, sid, args, env, fds: started.append((args, env)) or 0
     )
     monkeypatch.setattr(verl_job, "finish_verl_stage", lambda cfg, run, sid: None)
+    monkeypatch.setattr(verl_job, "_evaluate_on_verl", lambda cfg, run, sid, nodes, fds: 0)
     monkeypatch.setenv("HPCR1_VERL_PLATFORM", "cpu")
     return cfg, run, started
 
@@ -482,7 +464,8 @@ def test_what_verls_actors_read_reaches_them_through_the_ray_jobs_runtime_env(ve
     assert config.actor_rollout_ref.rollout.name == "hf" and not config.trainer.val_before_train
 
 
-def test_an_attempt_resuming_at_the_last_step_validates_before_it_would_train(verl_stage_run):
+def test_an_attempt_resuming_at_the_last_step_hands_over_without_starting_verls_trainer(verl_stage_run):
+    """An attempt that died between its last checkpoint and its eval: nothing is left to train."""
     from launch import verl_job
 
     cfg, run, started = verl_stage_run
@@ -490,7 +473,35 @@ def test_an_attempt_resuming_at_the_last_step_validates_before_it_would_train(ve
     ckpt.mkdir(parents=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(cfg.stage2_grpo.steps))
     assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
-    assert compose_verl_config(started[0][0][2:]).trainer.val_before_train
+    assert started == []
+
+
+def test_a_grpo_stage_on_verl_is_scored_with_every_stages_eval_settings(verl_stage_run, monkeypatch):
+    """verl validated with the GRPO stage's max_new_tokens and greedy only: accuracies not comparable
+    with the other stages' (eval.max_new_tokens, mean@k). Now no validation runs in training, and
+    final/ is scored after the hand-over by verl's replicas with the eval section's settings."""
+    from launch import verl_job
+
+    cfg, run, started = verl_stage_run
+    monkeypatch.setattr(verl_job, "_evaluate_on_verl", EVALUATE_ON_VERL)
+    asked = []
+
+    def replicas(cfg, run, sid, model_dir, examples, nodes, fds, sampled=None):
+        asked.append((verl_job.generation_of(cfg, sid)[2], sampled))
+        right = [f"<think>x</think> <answer>{ex.answer}</answer>" for ex in examples]
+        return {"responses": [[a] for a in right], "sampled_responses": [[a, "no"] * 2 for a in right]}
+
+    monkeypatch.setattr(verl_job, "_generate_on_verl", replicas)
+    assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
+    assert compose_verl_config(started[0][0][2:]).trainer.test_freq <= 0  # no validation in training
+    greedy, sampled = asked[0]
+    assert (
+        greedy.temperature == 0 and greedy.max_new_tokens == sampled.max_new_tokens == cfg.eval.max_new_tokens
+    )
+    assert cfg.eval.max_new_tokens != cfg.stage2_grpo.max_new_tokens
+    assert (sampled.n, sampled.temperature) == (cfg.eval.samples, cfg.eval.temperature) == (4, 0.7)
+    result = json.loads(run.eval_result("stage2_grpo").read_text())
+    assert (result["accuracy"], result["mean_at_k"], result["k"]) == (1.0, 0.5, 4)
 
 
 def test_max_pass_rate_is_refused_on_verl_naming_the_field(tmp_path):
