@@ -5,6 +5,7 @@ rank with its own timeout."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -61,6 +62,34 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = Fa
         f"--rdzv-id={os.environ['SLURM_JOB_ID']}",
         *worker,
     ]
+
+
+# What NCCL dlopens for its network plugin when NCCL_NET_PLUGIN is unset; aws-ofi-nccl installs the
+# first, its newer releases the second (with the first as a link)
+OFI_PLUGIN_NAMES = ("libnccl-net.so", "libnccl-net-ofi.so")
+
+
+def nccl_plugin_problem(env: dict[str, str] | None = None) -> str | None:
+    """Why NCCL will not start its communicators here, or None. NCCL_NET="AWS Libfabric" (a
+    Slingshot profile's) makes a missing aws-ofi-nccl plugin an error at the first collective of
+    every rank, after the job has waited in the queue; said before any rank starts. The plugin is
+    looked for as NCCL looks for it: dlopen, with this process's library path."""
+    env = os.environ if env is None else env
+    if env.get("NCCL_NET") != "AWS Libfabric":
+        return None
+    plugin = env.get("NCCL_NET_PLUGIN")
+    names = (plugin, f"libnccl-net-{plugin}.so") if plugin else OFI_PLUGIN_NAMES
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+            return None
+        except OSError:
+            continue
+    return (
+        f"NCCL_NET is 'AWS Libfabric' but NCCL's aws-ofi-nccl plugin ({' or '.join(names)}) is not on "
+        "this node's library path: load the site's module for it in the cluster profile's `setup` "
+        "(or add its lib/ to LD_LIBRARY_PATH in `env`), or unset NCCL_NET to let NCCL fall back to sockets"
+    )
 
 
 def run_stage_in_allocation(

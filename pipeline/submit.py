@@ -21,10 +21,11 @@ from core.rundir import RunDir
 from launch.ray_cluster import end_ray_steps
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_jobs import recorded_conf, slurm_env
-from launch.slurm_launch import requeue_self
+from launch.slurm_launch import nccl_plugin_problem, requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.runlock import hold_run_dir, holder_after
+from runtime.rank_failure import record_exception
 from stages.engines.verl_trainer import verl_stages
 
 
@@ -120,7 +121,9 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
                     run,
                     Manifest(run.root),
                     stage_id,
-                    lambda: launch(run.root, stage_id, pass_fds=(lock_fd,)),
+                    lambda: _launch_if_nccl_can_start(
+                        run, stage_id, lambda: launch(run.root, stage_id, pass_fds=(lock_fd,))
+                    ),
                 )
             finally:
                 end_ray_steps()
@@ -128,6 +131,20 @@ def run_stage_job(run: RunDir, stage_id: str) -> int:
             print(e, flush=True)
             requeue_self()
     return 0
+
+
+def _launch_if_nccl_can_start(run: RunDir, stage_id: str, launch) -> int:
+    """`launch()`'s exit code, or 1 with the reason recorded as rank 0's failure (what the manifest
+    shows) when NCCL could not start its communicators on this node."""
+    problem = nccl_plugin_problem()
+    if problem is None:
+        return launch()
+    try:
+        raise RuntimeError(problem)
+    except RuntimeError as e:
+        record_exception(run.logs(stage_id), 0, e)
+    print(f"hpcr1: {stage_id}: {problem}", flush=True)
+    return 1
 
 
 # Slurm's default KillWait (30 s from SIGTERM to SIGKILL) and some margin for a loaded node.
