@@ -264,7 +264,10 @@ def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds)
     held-out eval on verl's replicas, as every stage on verl is scored."""
     overrides, paths = check_verl_stage(cfg, run, sid, *nodes, _platform()), verl_paths(run, sid)
     if latest_step(paths["ckpt"]) != getattr(cfg, sid).steps:
-        write_verl_data(cfg, run, sid)
+        prompts = _prompts_to_learn(cfg, run, sid, nodes, pass_fds)
+        if isinstance(prompts, int):
+            return prompts
+        write_verl_data(cfg, run, sid, prompts)
         env = verl_env(cfg, run, sid, next_metrics_file(paths["metrics"]))
         args = ["-m", "verl.trainer.main_ppo", *overrides, *runtime_env_overrides(env)]
         rc = _run_verl(run, sid, args, env, pass_fds)
@@ -272,6 +275,46 @@ def _train_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds)
             return rc
     finish_verl_stage(cfg, run, sid)
     return _evaluate_on_verl(cfg, run, sid, nodes, pass_fds)
+
+
+def _prompts_to_learn(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> list[Example] | int:
+    """The prompt set, less the prompts the starting model solves more than max_pass_rate of the time,
+    as the native engine selects them (stages/grpo/difficulty.py), its group_size answers a prompt
+    sampled by verl's replicas; or that generation's exit code. The pass counts are kept for the
+    stage's later attempts, which then train on the same prompts in the same order."""
+    stage = getattr(cfg, sid)
+    prompts = read_examples(run.task_file("prompts"))
+    if stage.max_pass_rate >= 1:
+        return prompts
+    from stages.grpo.difficulty import select_prompts
+    from stages.kept import MISSING, inputs_fingerprint, load_record, save_record
+    from stages.rewards.math_reward import score
+
+    path, model_dir = run.prompt_selection(sid), run.model_dir(stage.init_from)
+    fingerprint = inputs_fingerprint(stage, cfg.seed, model_dir, run.task_file("prompts"), engine="verl")
+    counts, problem = load_record(path, fingerprint)
+    if problem not in (None, MISSING):
+        print(f"{sid}: the kept prompt selection {path} is not used, {problem}: sampled again", flush=True)
+    if counts is None:
+        sampling = Sampling(stage.group_size, stage.temperature, stage.top_p, stage.max_new_tokens)
+        answers = _generate_on_verl(
+            cfg, run, sid, model_dir, prompts, nodes, pass_fds, generation=(sid, stage.verl, sampling)
+        )
+        if isinstance(answers, int):
+            return answers
+        rows = zip(prompts, answers[RESPONSES], strict=True)
+        counts = [sum(score(answer, ex.answer).correct for answer in row) for ex, row in rows]
+        save_record(path, fingerprint, counts)
+    field = f"{sid}.max_pass_rate"
+    kept = select_prompts(
+        prompts, counts, stage.group_size, stage.max_pass_rate, stage.prompts_per_step, field
+    )
+    print(
+        f"{sid}: training on the {len(kept)} of {len(prompts)} prompts the starting model solves at "
+        f"most {stage.max_pass_rate:g} of the time ({stage.group_size} answers each, on verl)",
+        flush=True,
+    )
+    return kept
 
 
 def verl_env(cfg, run: RunDir, sid: str, metrics_file: Path) -> dict[str, str]:
@@ -294,14 +337,16 @@ def _generate_on_verl(
     nodes: tuple[int, int],
     pass_fds,
     sampled: Sampling | None = None,
+    generation: tuple[str, VerlRolloutConfig, Sampling] | None = None,
 ) -> dict[str, list[list[str]]] | int:
     """verl's answers to `examples` from `model_dir` ({RESPONSES: a list of n a prompt}, and with
-    `sampled` its answers under SAMPLED_RESPONSES, from the same replicas), or its exit code."""
+    `sampled` its answers under SAMPLED_RESPONSES, from the same replicas), or its exit code.
+    `generation`: (config section, rollout settings, sampling) when not the stage's generation_of."""
     from transformers import AutoTokenizer
 
     from runtime.phases import phase
 
-    field, rollout, sampling = generation_of(cfg, sid)
+    field, rollout, sampling = generation or generation_of(cfg, sid)
     paths = generation_paths(run, sid)
     answers = len(examples) * (sampling.n + (sampled.n if sampled else 0))
     overrides = generation_overrides(
@@ -376,11 +421,11 @@ def _evaluate_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_f
     return 0
 
 
-def write_verl_data(cfg, run: RunDir, sid: str) -> None:
+def write_verl_data(cfg, run: RunDir, sid: str, prompts: list[Example]) -> None:
+    """verl's train.parquet (`prompts`, those the stage trains on) and val.parquet (held-out)."""
     from transformers import AutoTokenizer
 
     stage, paths = getattr(cfg, sid), verl_paths(run, sid)
-    prompts = read_examples(run.task_file("prompts"))
     held_out = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
     if len(prompts) < stage.prompts_per_step:  # verl's loader drops the last partial batch: no step at all
         raise DataError(

@@ -316,12 +316,6 @@ def check_verl_stage(
 ) -> list[str]:
     """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
     s: GRPOStage = getattr(cfg, sid)
-    if s.max_pass_rate < 1:
-        raise ConfigError(
-            f"{sid}.max_pass_rate",
-            "verl's trainer has no selection of prompts by the starting model's pass rate: set it to 1.0, "
-            "or engine 'native', which has one",
-        )
     check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
     outside = [rank for rank in s.verl.profile_ranks or [] if rank >= nnodes * gpus_per_node]
     if outside:

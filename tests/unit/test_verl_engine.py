@@ -27,13 +27,20 @@ from launch.verl_job import check_verl_job
 from pipeline.cli import main
 from runtime.preemption import PREEMPTED_EXIT
 from runtime.trace_parser import parse_trace
+from stages.data.examples import read_examples
 from stages.engines.verl_io import (
     VERL_PHASES,
     next_metrics_file,
     traces_to_events,
     verl_metric_rows,
 )
-from stages.engines.verl_trainer import check_verl_stage, compose_verl_config, hydra_value, verl_process_env
+from stages.engines.verl_trainer import (
+    check_verl_stage,
+    compose_verl_config,
+    hydra_value,
+    verl_paths,
+    verl_process_env,
+)
 from stages.rewards.math_reward import score
 from tests.conftest import REPO, free_port
 from tests.support.system_packages import system_command
@@ -504,11 +511,38 @@ def test_a_grpo_stage_on_verl_is_scored_with_every_stages_eval_settings(verl_sta
     assert (result["accuracy"], result["mean_at_k"], result["k"]) == (1.0, 0.5, 4)
 
 
-def test_max_pass_rate_is_refused_on_verl_naming_the_field(tmp_path):
-    cfg = config_70b("stage2_grpo.max_pass_rate=0.9")
-    with pytest.raises(ConfigError) as e:
-        check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4)
-    assert e.value.field == "stage2_grpo.max_pass_rate"
+def test_max_pass_rate_on_verl_trains_on_the_prompts_the_starting_model_does_not_already_solve(
+    verl_stage_run, monkeypatch
+):
+    """As the native engine selects them: the starting model answers each prompt group_size times
+    (here by verl's replicas, at the stage's temperature); verl trains on the prompts solved at most
+    max_pass_rate of the time. The counts are kept: the next attempt trains on the same prompts."""
+    import pyarrow.parquet as pq
+
+    from launch import verl_job
+
+    cfg, run, started = verl_stage_run
+    stage = cfg.stage2_grpo.model_copy(update={"max_pass_rate": 0.5, "prompts_per_step": 2, "group_size": 2})
+    cfg = cfg.model_copy(update={"stage2_grpo": stage})
+    asked = []
+
+    def replicas(cfg, run, sid, model_dir, examples, nodes, fds, sampled=None, generation=None):
+        asked.append(generation)  # the even prompts solved every time, the odd ones never
+        return {
+            "responses": [
+                [f"<answer>{ex.answer if i % 2 == 0 else 'x'}</answer>"] * 2 for i, ex in enumerate(examples)
+            ]
+        }
+
+    monkeypatch.setattr(verl_job, "_generate_on_verl", replicas)
+    for _ in range(2):
+        assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
+        trained = pq.read_table(verl_paths(run, "stage2_grpo")["train"]).to_pylist()
+        prompts = read_examples(run.task_file("prompts"))
+        assert [row["extra_info"]["id"] for row in trained] == [ex.id for ex in prompts[1::2]]
+    assert len(asked) == 1 and len(started) == 2  # sampled once, trained twice
+    field, rollout, sampling = asked[0]
+    assert (field, sampling.n, sampling.temperature) == ("stage2_grpo", 2, stage.temperature)
 
 
 def test_a_usr1_during_the_hand_over_stops_the_job_for_its_requeue(verl_stage_run, monkeypatch):
