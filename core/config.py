@@ -107,9 +107,10 @@ class VerlRolloutConfig(Section):
 
     rollout: Literal["vllm", "sglang"] = "vllm"
     """Inference engine that generates."""
-    rollout_tp: PositiveInt = 4
+    rollout_tp: PositiveInt | Literal["auto"] = "auto"
     """GPUs one rollout engine instance spans (tensor parallel): a divisor of a node's GPUs, or a
-    multiple of them for a model one node cannot hold (the instance spans whole nodes)."""
+    multiple of them for a model one node cannot hold (the instance spans whole nodes). 'auto':
+    chosen at submission for the job's GPUs and the model, as `hpcr1 plan` would (printed)."""
     gpu_memory_utilization: Probability = 0.6
     """Share of each GPU's memory the rollout engine takes for weights and KV cache."""
     max_prompt_length: PositiveInt = 512
@@ -226,10 +227,12 @@ class VerlConfig(VerlRolloutConfig):
 
     backend: Literal["fsdp", "megatron"] = "fsdp"
     """How verl shards the actor and reference: FSDP, or megatron-core with the tp/pp below."""
-    megatron_tp: PositiveInt = 1
-    """Tensor-parallel size of the megatron actor and reference (backend 'megatron')."""
-    megatron_pp: PositiveInt = 1
-    """Pipeline-parallel size of the megatron actor and reference (backend 'megatron')."""
+    megatron_tp: PositiveInt | Literal["auto"] = 1
+    """Tensor-parallel size of the megatron actor and reference (backend 'megatron'); 'auto' as for
+    rollout_tp."""
+    megatron_pp: PositiveInt | Literal["auto"] = 1
+    """Pipeline-parallel size of the megatron actor and reference (backend 'megatron'); 'auto' as for
+    rollout_tp."""
     param_offload: bool = False
     """FSDP: keep the actor's and reference's parameters in host memory between uses."""
     optimizer_offload: bool = False

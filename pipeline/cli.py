@@ -335,8 +335,10 @@ def cmd_config(args) -> int:
 
 def cmd_plan(args) -> int:
     from analysis import plan_report
+    from analysis.auto_layout import smallest_layouts
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, overrides, parse_gpus, plan
+    from analysis.plan_search import with_settings
     from core.atomic import atomic_write_text
     from core.cluster import load_profile
     from core.config import ConfigError, load_config
@@ -348,7 +350,10 @@ def cmd_plan(args) -> int:
         raise ConfigError("--gpu-memory-gib", f"must be positive (got {args.gpu_memory_gib})")
     cfg = load_config(args.config, args.overrides, data_files=False)
     shape = model_shape(cfg, Path(args.config).parent)
-    machine = Machine.from_profile(load_profile(args.cluster), args.gpu_memory_gib)
+    profile = load_profile(args.cluster)
+    machine = Machine.from_profile(profile, args.gpu_memory_gib)
+    # 'auto' layouts: the planner searches them; as "configured", the smallest (what it tries first)
+    cfg = with_settings(cfg, smallest_layouts(cfg, shape, cfg.nproc, profile.verl_gpus_per_node()))
     plans = plan(cfg, shape, machine, gpus, args.prompt_tokens)
     out = Path(args.out or f"plan-{cfg.name}.md")
     atomic_write_text(out, plan_report.render_markdown(cfg.name, shape, machine, plans))

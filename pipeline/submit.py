@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from analysis.auto_layout import auto_fields, resolve_auto_layouts
 from analysis.model_shape import model_shape
 from analysis.native_fit import overflow_message, too_large
 from core.atomic import atomic_write_text
@@ -49,6 +50,7 @@ def submit(
             f"{cfg.nproc} ranks do not match {nodes} node(s) x {profile.tasks_per_node()} "
             f"tasks per node of cluster profile {profile.name!r}: set nproc={world}",
         )
+    cfg = resolve_layouts(cfg, config_dir, profile, nodes, echo)
     for sid in verl_stages(cfg, only):
         check_verl_job(cfg, run, sid, nodes, profile.verl_gpus_per_node(), profile.verl_platform)
     refuse_native_overflow(cfg, config_dir, profile, only)
@@ -56,6 +58,17 @@ def submit(
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
         return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
+
+
+def resolve_layouts(cfg: RunConfig, config_dir: Path, profile: ClusterProfile, nodes: int, echo) -> RunConfig:
+    """`cfg` with the verl engines' 'auto' layout fields chosen for the jobs' GPUs, each said."""
+    if not auto_fields(cfg):
+        return cfg
+    gpus = nodes * profile.verl_gpus_per_node()
+    cfg, lines = resolve_auto_layouts(cfg, model_shape(cfg, config_dir), profile, gpus)
+    for line in lines:
+        echo(f"layout: {line}")
+    return cfg
 
 
 def refuse_native_overflow(cfg: RunConfig, config_dir: Path, profile: ClusterProfile, only) -> None:

@@ -392,7 +392,8 @@ def grpo_terms(layout: Layout, **stage) -> tuple[dict[str, float], Footprint]:
 
 
 def verl(**settings) -> dict:
-    return {"engine": "verl", "verl": VerlConfig(**settings)}
+    """A verl stage; rollout_tp 4 unless given (footprints are of a layout, never of 'auto')."""
+    return {"engine": "verl", "verl": VerlConfig(**{"rollout_tp": 4, **settings})}
 
 
 @pytest.mark.parametrize("dtype, w", [("auto", 2), ("bf16", 2), ("fp32", 4)])
@@ -479,7 +480,8 @@ def test_native_eval_of_sft_is_a_phase_of_its_own_holding_the_whole_model():
     stage = SFTStage(dtype="bf16", micro_batch_size=1, max_seq_len=512)
     layout = Layout(gpus=8, tp=2, zero=2)
     native = sft_footprint(SHAPE_8B, stage, layout, SITE)
-    on_verl = sft_footprint(SHAPE_8B, stage, layout, replace(SITE, eval=EvalConfig(engine="verl")))
+    eval_on_verl = EvalConfig(engine="verl", verl={"rollout_tp": 4})
+    on_verl = sft_footprint(SHAPE_8B, stage, layout, replace(SITE, eval=eval_on_verl))
     terms = {t.name: t.bytes for t in native.gpu}
     assert terms["eval_weights"] == 2 * P_8B
     assert native.phase_bytes()["training"] == on_verl.phase_bytes()["training"]

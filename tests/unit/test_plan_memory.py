@@ -210,7 +210,7 @@ def test_verl_fsdp_optimizer_step_holds_the_actor_states_and_adams_temporary():
     """fp32 weights, gradients, m and v, and sqrt(v), all over N; loaded back for it when offloaded."""
     n = 8
     for offload in (False, True):
-        verl = VerlConfig(param_offload=offload, optimizer_offload=offload)
+        verl = VerlConfig(rollout_tp=4, param_offload=offload, optimizer_offload=offload)
         layout = Layout(n, 1, 3, offload, True, offload)
         fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", verl=verl), layout, SITE)
         assert fp.phase_bytes()["optimizer_step"] == pytest.approx((4 + 4 + 8 + 4) * P / n)
@@ -222,7 +222,7 @@ def test_verl_fsdp_activations_keep_layer_inputs_and_the_larger_of_a_layer_and_t
     recomputed layer for this vocabulary."""
     b, prompt, r = 4, 256, 256
     s = prompt + r
-    verl = VerlConfig(max_prompt_length=prompt, micro_batch_size_per_gpu=b)
+    verl = VerlConfig(rollout_tp=4, max_prompt_length=prompt, micro_batch_size_per_gpu=b)
     fp = grpo_footprint(SHAPE, GRPOStage(engine="verl", max_new_tokens=r, verl=verl), Layout(8, 1, 3), SITE)
     found = {t.name: t.bytes for t in fp.gpu}["activations"]
     layer_inputs = 8 * b * s * 2 * 512
@@ -238,7 +238,7 @@ def test_an_unpacked_token_budget_is_planned_at_its_worst_padding():
     of a mini-batch); the logits' rows verl takes log-probabilities of are the T real tokens."""
     prompt, r, T = 256, 256, 1024
     s = prompt + r
-    verl = VerlConfig(max_prompt_length=prompt, max_tokens_per_gpu=T)
+    verl = VerlConfig(rollout_tp=4, max_prompt_length=prompt, max_tokens_per_gpu=T)
     stage = GRPOStage(engine="verl", max_new_tokens=r, prompts_per_step=512, group_size=8, verl=verl)
     fp = grpo_footprint(SHAPE, stage, Layout(8, 1, 3), SITE)
     b = T - s + 1  # 513 rows; the share is 512 / 2 x 8 / 8 = 256 sequences

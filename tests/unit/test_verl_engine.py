@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from core.cluster import COLLECTIVE_TIMEOUT_ENV
 from core.config import ConfigError, load_config
@@ -378,7 +379,7 @@ def test_a_resumed_attempt_adds_to_the_metrics_of_the_one_before_and_redone_step
 def test_hpcr1_config_shows_the_engine_and_its_verl_section(capsys):
     assert main(["config", str(REPO / "configs" / "tiny-cpu.yaml"), "stage2_grpo.engine=verl"]) == 0
     out = capsys.readouterr().out
-    assert "engine: verl" in out and "rollout_tp: 4" in out and "gpu_memory_utilization: 0.6" in out
+    assert "engine: verl" in out and "rollout_tp: auto" in out and "gpu_memory_utilization: 0.6" in out
 
 
 def test_verls_own_dataset_reads_our_parquet_as_chat_prompts_with_their_answers(tmp_path):
@@ -653,3 +654,58 @@ def test_profiled_ranks_may_be_chosen_and_must_be_the_jobs(tmp_path):
             config_70b("stage2_grpo.verl.profile_ranks=[128]"), RunDir(tmp_path), "stage2_grpo", 32, 4
         )
     assert e.value.field == "stage2_grpo.verl.profile_ranks"
+
+
+ENGINE_SWITCHES = [
+    "stage2_grpo.engine=verl",
+    "stage4_grpo.engine=verl",
+    "stage3_synth.engine=verl",
+    "eval.engine=verl",
+]
+
+
+def test_the_embedded_default_takes_every_verl_engine_with_its_switches_alone(tmp_path, capsys):
+    """rollout_tp was 4 unless told: on the local profile's 2 ranks the first of a wall of refusals.
+    'auto' layouts are chosen for the job's GPUs at submission, said, and written into the run."""
+    run = tmp_path / "run"
+    argv = ["submit", str(REPO / "configs" / "tiny-cpu.yaml"), "--cluster", "local", "--dry-run"]
+    assert main([*argv, "--run-dir", str(run), *ENGINE_SWITCHES]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    for section in ("stage2_grpo", "stage4_grpo", "stage3_synth", "eval"):
+        assert f"layout: {section}.verl.rollout_tp=auto -> 1:" in out, out
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["stage2_grpo"]["verl"]["rollout_tp"] == resolved["eval"]["verl"]["rollout_tp"] == 1
+
+
+def test_an_auto_layout_on_gpus_is_what_hpcr1_plan_writes_for_the_jobs_gpus(tmp_path):
+    from analysis.auto_layout import resolve_auto_layouts
+    from analysis.model_shape import model_shape
+    from core.cluster import load_profile
+
+    auto = [
+        "stage2_grpo.verl.rollout_tp=auto",
+        "stage2_grpo.verl.megatron_tp=auto",
+        "eval.verl.rollout_tp=auto",
+    ]
+    cfg = config_70b(*auto)
+    resolved, lines = resolve_auto_layouts(
+        cfg, model_shape(cfg, CONFIG_70B.parent), load_profile("perlmutter"), 128
+    )
+    written = tmp_path / "plan.txt"
+    argv = [
+        "plan",
+        str(CONFIG_70B),
+        "--cluster",
+        "perlmutter",
+        "--gpus",
+        "128",
+        "--out",
+        str(tmp_path / "p.md"),
+    ]
+    assert main([*argv, "--write-overrides", str(written), SHAPE_70B, *auto]) == 0
+    plan_lines = written.read_text().split()
+    for key in ("stage2_grpo.verl.rollout_tp", "stage2_grpo.verl.megatron_tp", "eval.verl.rollout_tp"):
+        sid, _, name = key.split(".")
+        section = getattr(resolved, sid).verl
+        assert f"{key}={getattr(section, name)}" in plan_lines, (key, plan_lines)
+        assert any(line.startswith(f"{key}=auto -> ") for line in lines)
