@@ -357,7 +357,7 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     step = latest_step(paths["ckpt"])
     if step != stage.steps:
         raise RuntimeError(f"verl exited cleanly but its newest checkpoint is step {step}, not {stage.steps}")
-    merge_to_final(paths["ckpt"], step, stage.verl.backend, run.model_dir(stage.init_from), run.final(sid))
+    merge_to_final(paths["ckpt"], step, stage.verl.backend, run.final(sid))
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)

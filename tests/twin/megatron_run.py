@@ -20,8 +20,9 @@ from pathlib import Path
 from core.config import load_config
 from core.rundir import RunDir
 from pipeline.driver import check_run, write_run
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_base_built_here
 from tests.ray_head import ray_head_apart
+from tests.twin.format_base import teach_format
 
 GPUS = 2
 SID = "stage2_grpo"
@@ -55,7 +56,15 @@ def overrides(tp: int, pp: int, steps: int) -> list[str]:
 
 
 def prepare(root: Path, tp: int, pp: int, steps: int) -> RunDir:
-    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides(tp, pp, steps))
+    """The run directory, its base model the tiny one taught the answer format (format_base.py)."""
+    config, extra = REPO / "configs" / "tiny-cpu.yaml", overrides(tp, pp, steps)
+    base = root.with_name(f"{root.name}-base")
+    if not base.exists():
+        hf = tiny_base_built_here(config, base, extra)
+        print(f"format taught to the base model: loss {teach_format(base):.3f}", flush=True)
+    else:
+        hf = ["model.source=hf", f"model.path={base}"]
+    cfg = load_config(config, [*extra, *hf])
     for sid in ("stage1_sft", "stage3_synth", "stage3_sft", "stage4_grpo"):
         setattr(cfg, sid, None)
     run = RunDir(root)
