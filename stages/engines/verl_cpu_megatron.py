@@ -118,6 +118,31 @@ def patch_megatron() -> None:
 
     _patch_bridge_provider()
     _patch_local_attention()
+    _patch_fresh_optimizer_state_dict(distrib_optimizer)
+
+
+def _patch_fresh_optimizer_state_dict(distrib_optimizer) -> None:
+    """Without Apex or Transformer Engine the distributed optimizer wraps torch's Adam, and its
+    state_dict() reads the step from the per-parameter state, which a never-stepped optimizer has
+    not got (distrib_optimizer.py:791-793, `assert len(steps) == 1`). Loading a checkpoint calls it
+    on exactly such an optimizer (sharded_state_dict(is_loading=True), distrib_optimizer.py:1476,
+    from verl's megatron_checkpoint_manager.py:408 on resume): it is then the state at step 0,
+    which the loaded state replaces."""
+    DistributedOptimizer = distrib_optimizer.DistributedOptimizer
+    state_dict = DistributedOptimizer.state_dict
+
+    @functools.wraps(state_dict)
+    def state_dict_from_step_0(self):
+        if distrib_optimizer.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
+            return state_dict(self)
+        inner = self.optimizer.state_dict()
+        groups = [{k: v for k, v in group.items() if k != "params"} | {"step": 0} for group in inner["param_groups"]]
+        fresh = {"optimizer": {k: v for k, v in inner.items() if k != "state"} | {"param_groups": groups}}
+        if self.grad_scaler:
+            fresh["grad_scaler"] = self.grad_scaler.state_dict()
+        return fresh
+
+    DistributedOptimizer.state_dict = state_dict_from_step_0
 
 
 def _patch_local_attention() -> None:
