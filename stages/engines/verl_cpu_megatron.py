@@ -59,6 +59,7 @@ class _NoStream:
     def synchronize(self) -> None:
         pass
 
+
 _TYPE_LOCK = threading.RLock()
 _tensor_type = torch.Tensor.type
 
@@ -136,8 +137,8 @@ def _patch_fresh_optimizer_state_dict(distrib_optimizer) -> None:
         if distrib_optimizer.HAVE_APEX_OR_TE or len(self.optimizer.state) > 0:
             return state_dict(self)
         inner = self.optimizer.state_dict()
-        groups = [{k: v for k, v in group.items() if k != "params"} | {"step": 0} for group in inner["param_groups"]]
-        fresh = {"optimizer": {k: v for k, v in inner.items() if k != "state"} | {"param_groups": groups}}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": 0} for g in inner["param_groups"]]
+        fresh = {"optimizer": {**{k: v for k, v in inner.items() if k != "state"}, "param_groups": groups}}
         if self.grad_scaler:
             fresh["grad_scaler"] = self.grad_scaler.state_dict()
         return fresh

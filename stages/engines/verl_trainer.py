@@ -206,7 +206,7 @@ _FSDP_ON_CPU = {"actor_rollout_ref.actor.strategy": "fsdp2", "actor_rollout_ref.
 # local layers (the reference's megatron config takes the actor's transformer overrides and packing).
 _MEGATRON_TF = "+actor_rollout_ref.actor.megatron.override_transformer_config"
 _MEGATRON_ON_CPU = {
-    # the local attention rejects packed (THD) sequences (megatron/core/transformer/dot_product_attention.py:153)
+    # the local attention rejects packed (THD) sequences (transformer/dot_product_attention.py:153)
     "actor_rollout_ref.model.use_remove_padding": False,
     "actor_rollout_ref.actor.megatron.use_remove_padding": False,
     # verl asks for flash attention (workers/engine/megatron/transformer_impl.py:371): megatron's own
@@ -330,7 +330,8 @@ def check_verl_stage(
             "or engine 'native', which has one",
         )
     check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
-    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node) + platform_overrides(platform, s.verl.backend)
+    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
+    overrides += platform_overrides(platform, s.verl.backend)
     try:
         validate_verl_config(compose_verl_config(overrides))
     except Exception as e:  # Hydra, OmegaConf, verl's asserts and ValueErrors: all say "bad config"

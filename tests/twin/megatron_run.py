@@ -89,7 +89,9 @@ def ray_for_verl(home: Path):
                "HPCR1_VERL_PLATFORM": "cpu"}  # fmt: skip
 
 
-def run_stage(run: RunDir, env: dict[str, str], stop_after_checkpoint: int | None = None, timeout: float = 900):
+def run_stage(
+    run: RunDir, env: dict[str, str], stop_after_checkpoint: int | None = None, timeout: float = 900.0
+):
     """`hpcr1 stage RUN stage2_grpo`: its exit code, or None when it was killed (its whole process
     group) once verl had sealed the checkpoint of step `stop_after_checkpoint`."""
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "stage", str(run.root), SID], env=env,
@@ -121,7 +123,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)
     args = parser.parse_args()
-    run = RunDir(args.run_dir) if args.run_dir.exists() else prepare(args.run_dir, args.tp, args.pp, args.steps)
+    run = RunDir(args.run_dir)
+    if not args.run_dir.exists():
+        run = prepare(args.run_dir, args.tp, args.pp, args.steps)
     with tempfile.TemporaryDirectory(prefix="home-") as home, ray_for_verl(Path(home)) as env:
         t0 = time.monotonic()
         rc = run_stage(run, env, args.stop_after)
