@@ -28,7 +28,7 @@ GPUS = 2
 SID = "stage2_grpo"
 
 
-def overrides(tp: int, pp: int, steps: int) -> list[str]:
+def overrides(tp: int, pp: int, steps: int, backend: str = "megatron") -> list[str]:
     return [
         "model.tiny={hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 2, ffn_hidden_size: 176}",
         "data.arithmetic={num_operands: 2, digits: 2, sft_size: 64, prompts_size: 16, eval_size: 8, "
@@ -44,7 +44,7 @@ def overrides(tp: int, pp: int, steps: int) -> list[str]:
         f"{SID}.max_new_tokens=12",
         f"{SID}.checkpoint_every=1",
         f"{SID}.keep_checkpoints=5",
-        f"{SID}.verl.backend=megatron",
+        f"{SID}.verl.backend={backend}",
         f"{SID}.verl.megatron_tp={tp}",
         f"{SID}.verl.megatron_pp={pp}",
         f"{SID}.verl.rollout_tp=1",
@@ -55,9 +55,9 @@ def overrides(tp: int, pp: int, steps: int) -> list[str]:
     ]
 
 
-def prepare(root: Path, tp: int, pp: int, steps: int) -> RunDir:
+def prepare(root: Path, tp: int, pp: int, steps: int, backend: str = "megatron") -> RunDir:
     """The run directory, its base model the tiny one taught the answer format (format_base.py)."""
-    config, extra = REPO / "configs" / "tiny-cpu.yaml", overrides(tp, pp, steps)
+    config, extra = REPO / "configs" / "tiny-cpu.yaml", overrides(tp, pp, steps, backend)
     base = root.with_name(f"{root.name}-base")
     if not base.exists():
         hf = tiny_base_built_here(config, base, extra)
@@ -122,10 +122,11 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)
+    parser.add_argument("--backend", default="megatron", choices=["megatron", "fsdp"])
     args = parser.parse_args()
     run = RunDir(args.run_dir)
     if not args.run_dir.exists():
-        run = prepare(args.run_dir, args.tp, args.pp, args.steps)
+        run = prepare(args.run_dir, args.tp, args.pp, args.steps, args.backend)
     with tempfile.TemporaryDirectory(prefix="home-") as home, ray_for_verl(Path(home)) as env:
         t0 = time.monotonic()
         rc = run_stage(run, env, args.stop_after)
