@@ -291,7 +291,8 @@ def _before_import(name: str, prepare) -> None:
 
 
 def _on_import(name: str, before=None, after=None) -> None:
-    _PatchOnImport.patches[name] = (before, after)
+    earlier_before, earlier_after = _PatchOnImport.patches.get(name, (None, None))
+    _PatchOnImport.patches[name] = (before or earlier_before, after or earlier_after)
     if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
