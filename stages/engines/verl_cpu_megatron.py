@@ -148,7 +148,7 @@ def _patch_fresh_optimizer_state_dict(distrib_optimizer) -> None:
 
 def _patch_local_attention() -> None:
     """verl hands the model a [batch, seq] mask of the tokens to keep (bshd, right-padded:
-    verl/models/mcore/util.py:708-716, model_forward.py:447-453), which Transformer Engine's causal
+    verl/models/mcore/util.py:708-716, model_forward.py:453), which Transformer Engine's causal
     attention ignores; megatron-core's local attention would apply it as a [b, 1, sq, sk] mask of
     the positions to drop (dot_product_attention.py:210, fused_softmax.py:329). As on a GPU, causal
     attention alone then: the padding follows every sequence's tokens."""
@@ -168,7 +168,7 @@ def _patch_local_attention() -> None:
 
 
 def _patch_bridge_provider() -> None:
-    """Megatron-Bridge's GPT provider builds Transformer Engine layers (gpt_provider.py:118-123,
+    """Megatron-Bridge's GPT provider builds Transformer Engine layers (gpt_provider.py:119-123,
     default_layer_spec, whatever TE's availability): the local spec (gpt_provider.py:82) instead."""
     from megatron.bridge.models import gpt_provider
 

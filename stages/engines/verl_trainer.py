@@ -209,7 +209,7 @@ _MEGATRON_ON_CPU = {
     # the local attention rejects packed (THD) sequences (transformer/dot_product_attention.py:153)
     "actor_rollout_ref.model.use_remove_padding": False,
     "actor_rollout_ref.actor.megatron.use_remove_padding": False,
-    # verl asks for flash attention (workers/engine/megatron/transformer_impl.py:371): megatron's own
+    # verl asks for flash attention (workers/engine/megatron/transformer_impl.py:367): megatron's own
     "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend": "local",
     # the local spec's norms without Apex are torch's, which refuse sequence parallelism
     # (megatron/core/transformer/torch_norm.py:50); the reference has its own flag
@@ -218,7 +218,7 @@ _MEGATRON_ON_CPU = {
     # fused RoPE and the persistent layer norm are CUDA kernels (Apex/TE)
     f"{_MEGATRON_TF}.apply_rope_fusion": False,
     f"{_MEGATRON_TF}.persist_layer_norm": False,
-    # Bridge's provider turns the fused masked softmax on (gpt_provider.py:197), an Apex/CUDA kernel
+    # Bridge's provider turns the fused masked softmax on (gpt_provider.py:199), an Apex/CUDA kernel
     # (megatron/core/fusions/fused_softmax.py imports scaled_masked_softmax_cuda)
     f"{_MEGATRON_TF}.masked_softmax_fusion": False,
 }
