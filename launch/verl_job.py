@@ -64,6 +64,7 @@ from stages.engines.verl_io import (
     write_metrics,
     write_parquet,
 )
+from stages.engines.verl_platform_names import CPU_PLATFORM
 from stages.engines.verl_trainer import (
     DATA_SOURCE,
     check_verl_stage,
@@ -115,7 +116,7 @@ def check_verl_job(
     stage = getattr(cfg, sid)
     if engine_of(stage) == "verl" and isinstance(stage, GRPOStage):
         check_verl_stage(cfg, run, sid, nnodes, gpus_per_node, platform)
-        check_backend_installed(stage, sid)
+        check_backend_installed(stage, sid, platform)
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
@@ -145,11 +146,21 @@ MEGATRON_BACKEND_PACKAGES = {
 PACKING_PACKAGES = {"flash_attn": "flash-attn"}
 
 
-def check_backend_installed(stage: GRPOStage, sid: str) -> None:
+def check_backend_installed(stage: GRPOStage, sid: str, platform: str = "gpu") -> None:
     """The jobs run with this Python: a backend whose packages it lacks would die at import, after
     the stages before it have run for hours. Refused where this Python is a GPU venv (a CUDA torch,
     as `make setup-gpu` installs); where it is not (the CPU .venv, checking or dry-running a GPU
-    config), one warning line on stderr instead."""
+    config), one warning line on stderr instead. On the CPU platform the megatron backend needs
+    Megatron-Bridge only (megatron-core's local layers stand in for Transformer Engine's, and
+    packing is off: stages/engines/verl_cpu_megatron.py), and is refused without it."""
+    if platform == CPU_PLATFORM and stage.verl.backend == "megatron":
+        if not _installed("megatron.bridge"):
+            raise ConfigError(
+                f"{sid}.verl.backend",
+                f"'megatron' needs Megatron-Bridge in {sys.executable}, which runs the jobs: "
+                "`make setup-twin` builds .venv-twin with it",
+            )
+        return
     needs = {"remove_padding": PACKING_PACKAGES} if stage.verl.remove_padding else {}
     if stage.verl.backend == "megatron":
         needs["backend"] = MEGATRON_BACKEND_PACKAGES
@@ -475,7 +486,7 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     step = latest_step(paths["ckpt"])
     if step != stage.steps:
         raise RuntimeError(f"verl exited cleanly but its newest checkpoint is step {step}, not {stage.steps}")
-    merge_to_final(paths["ckpt"], step, stage.verl.backend, run.model_dir(stage.init_from), run.final(sid))
+    merge_to_final(paths["ckpt"], step, stage.verl.backend, run.final(sid))
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)

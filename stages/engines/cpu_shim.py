@@ -17,7 +17,8 @@ the tracker's "CPU RNG state changed within GPU RNG context" warning is then exp
 
 Covered: GPTModel (local spec) forward and backward, the pipeline schedules (no pipelining and
 1F1B) and the RNG tracker. Not covered, because DeepSpeed replaces them in our SFT engine:
-megatron's optimizer, grad clipping, DDP buffers and `tensor_parallel.broadcast_data`.
+megatron's optimizer, grad clipping, DDP buffers and `tensor_parallel.broadcast_data` (verl's
+megatron backend on the CPU platform adds them: stages/engines/verl_cpu_megatron.py).
 Applied only when CUDA is absent; idempotent.
 """
 

@@ -178,6 +178,75 @@ def patch_verl() -> None:
     # adapter's (workers/rollout/base.py:81).
     _after_import("verl.workers.rollout.replica", _register_replica)
     _after_import("verl.workers.rollout.base", _register_adapter)
+    _patch_megatron_backend()
+
+
+# --- the megatron backend (model_engine=megatron) -------------------------------------------------
+
+# Transformer Engine's torch wheel loads its core library at import, which links libcuda
+# (transformer_engine/common/__init__.py:360): with no driver that is an OSError, which the
+# `except ImportError` guards of megatron-core (core/utils.py:56-64 and ~20 more) and Megatron-Bridge
+# do not catch. On the CPU platform TE is absent, as megatron-core can run without it.
+TRANSFORMER_ENGINE = ("transformer_engine", "transformer_engine_torch")
+# Megatron-Bridge modules that import TE unconditionally, for LoRA only, and are reached from
+# `import megatron.bridge` (bridge/__init__.py:16 -> ... -> peft/lora_layers.py:20, peft/lora.py:22).
+BRIDGE_TE_IMPORTERS = ("megatron.bridge.peft.lora_layers", "megatron.bridge.peft.lora")
+
+
+def _patch_megatron_backend() -> None:
+    for name in TRANSFORMER_ENGINE:
+        sys.modules.setdefault(name, None)  # `import` raises ImportError; find_spec answers None
+    for name in BRIDGE_TE_IMPORTERS:
+        _before_import(name, _see_absent_transformer_engine)
+    _after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_engine)
+
+
+def _patch_megatron_engine(transformer_impl: ModuleType) -> None:
+    from stages.engines.verl_cpu_megatron import patch_megatron
+
+    patch_megatron()
+
+
+def _see_absent_transformer_engine(module: ModuleType) -> None:
+    """`module`'s own imports of transformer_engine get a stand-in whose every name is a class
+    that cannot be instantiated (its LoRA classes subclass them; nothing on our path builds one);
+    no other module sees it, so megatron-core still finds TE absent."""
+    import builtins
+
+    def importer(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name.split(".")[0] == "transformer_engine":
+            stand_in = _ABSENT_TE
+            for part in name.split(".")[1:] if fromlist else ():
+                stand_in = getattr(stand_in, part)
+            return stand_in
+        return builtins.__import__(name, globals, locals, fromlist, level)
+
+    module.__builtins__ = {**builtins.__dict__, "__import__": importer}
+
+
+class _AbsentMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _absent(f"{cls.__qualname__}.{name}")
+
+
+def _absent(qualname: str) -> type:
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"{qualname}: Transformer Engine is not available on the CPU platform")
+
+    return _AbsentMeta(qualname, (), {"__init__": refuse, "__qualname__": qualname})
+
+
+class _AbsentModule(ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _absent(f"{self.__name__}.{name}")
+
+
+_ABSENT_TE = _AbsentModule("transformer_engine")
+_ABSENT_TE.pytorch = _AbsentModule("transformer_engine.pytorch")
 
 
 def _register_replica(replica: ModuleType) -> None:
@@ -212,7 +281,18 @@ def _after_import(name: str, patch) -> None:
     if name in sys.modules:
         patch(sys.modules[name])
         return
-    _PatchOnImport.patches[name] = patch
+    _on_import(name, after=patch)
+
+
+def _before_import(name: str, prepare) -> None:
+    """Run `prepare(module)` on module `name`'s fresh namespace, before its code executes."""
+    if name not in sys.modules:
+        _on_import(name, before=prepare)
+
+
+def _on_import(name: str, before=None, after=None) -> None:
+    earlier_before, earlier_after = _PatchOnImport.patches.get(name, (None, None))
+    _PatchOnImport.patches[name] = (before or earlier_before, after or earlier_after)
     if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
@@ -227,8 +307,12 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         run_module = spec.loader.exec_module
 
         def exec_module(module):
+            before, after = self.patches.pop(name)
+            if before:
+                before(module)
             run_module(module)
-            self.patches.pop(name)(module)
+            if after:
+                after(module)
 
         spec.loader.exec_module = exec_module
         return spec

@@ -81,34 +81,55 @@ def latest_step(ckpt_root: Path) -> int | None:
     return int(marker.read_text().strip()) if marker.is_file() else None
 
 
-def merge_to_final(ckpt_root: Path, step: int, backend: str, init_dir: Path, final: Path) -> None:
-    """verl's sharded actor checkpoint of `step` -> a Hugging Face directory at `final`, with
-    verl's own merger (which writes bf16 weights); written aside and renamed, so a half-written
-    final/ never exists."""
+def merge_to_final(ckpt_root: Path, step: int, backend: str, final: Path) -> None:
+    """verl's actor checkpoint of `step` -> a Hugging Face directory at `final`, written aside and
+    renamed, so a half-written final/ never exists. FSDP: verl's merger joins the shards (and writes
+    bf16 weights). megatron: verl 0.9.1 writes no megatron model shards unless asked
+    (use_dist_checkpointing, off), but the model as Hugging Face files, exported by Megatron-Bridge
+    with the tokenizer (utils/checkpoint/megatron_checkpoint_manager.py:245-249,1004-1040): that
+    directory is final/."""
     actor = ckpt_root / f"global_step_{step}" / "actor"
     if not actor.is_dir():
         raise RuntimeError(f"verl left no actor checkpoint at {actor}")
     staging = final.with_name("final.tmp")
     shutil.rmtree(staging, ignore_errors=True)
+    if backend == "megatron":
+        shutil.copytree(megatron_hf_dir(actor), staging)
+    else:
+        _merge_fsdp_shards(actor, staging)
+    if not any(staging.glob("*.safetensors")):
+        raise RuntimeError(f"verl's checkpoint gave no safetensors in {staging}")
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+
+
+def megatron_hf_dir(actor: Path) -> Path:
+    """The Hugging Face directory of verl's megatron actor checkpoint, where its manifest
+    (ckpt_contents.json, written last) says the model is."""
+    manifest = actor / "ckpt_contents.json"
+    if not manifest.is_file():
+        raise RuntimeError(f"verl's megatron checkpoint {actor} has no ckpt_contents.json: it is incomplete")
+    model = json.loads(manifest.read_text())["contents"].get("model", {})
+    if model.get("format") != "huggingface":
+        raise RuntimeError(
+            f"verl's megatron checkpoint {actor} holds the model as {model.get('format')!r}, not as "
+            "Hugging Face files (megatron.use_dist_checkpointing must stay off)"
+        )
+    return actor / model["path"]
+
+
+def _merge_fsdp_shards(actor: Path, staging: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
         "verl.model_merger",
         "merge",
-        f"--backend={backend}",
+        "--backend=fsdp",
         f"--local_dir={actor}",
         f"--target_dir={staging}",
     ]
-    if backend == "megatron" and json.loads((init_dir / "config.json").read_text()).get(
-        "tie_word_embeddings"
-    ):
-        cmd.append("--tie-word-embedding")
     subprocess.run(cmd, check=True)
-    if not any(staging.glob("*.safetensors")):
-        raise RuntimeError(f"verl's merger wrote no safetensors into {staging}")
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
 
 
 def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:

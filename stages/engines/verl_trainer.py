@@ -188,14 +188,16 @@ def logger_list(cfg: RunConfig) -> list[str]:
 # --- the CPU test platform and the environment of verl's actors -----------------------------------
 
 
-def platform_overrides(platform: str) -> list[str]:
+def platform_overrides(platform: str, backend: str = "fsdp") -> list[str]:
     """What verl needs beside our overrides on the CPU test platform (stages/engines/verl_cpu.py);
-    nothing on GPUs. The rollout engine becomes the platform's HF one, whatever the config names."""
+    nothing on GPUs. The rollout engine becomes the platform's HF one, whatever the config names.
+    `backend`: the GRPO stage's verl.backend (generation has no actor: the default)."""
     if platform != CPU_PLATFORM:
         return []
     overrides = {
         "trainer.device": "cpu",
         "actor_rollout_ref.rollout.name": CPU_ROLLOUT,
+        **(_MEGATRON_ON_CPU if backend == "megatron" else {}),
         "actor_rollout_ref.model.enable_gradient_checkpointing": False,
         "actor_rollout_ref.actor.use_torch_compile": False,
         "actor_rollout_ref.ref.use_torch_compile": False,
@@ -206,6 +208,28 @@ def platform_overrides(platform: str) -> list[str]:
         "transfer_queue.backend.SimpleStorage.num_data_storage_units": 1,
     }
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+# megatron-core without Transformer Engine or flash-attn (stages/engines/verl_cpu_megatron.py): its
+# local layers (the reference's megatron config takes the actor's transformer overrides and packing).
+_MEGATRON_TF = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+_MEGATRON_ON_CPU = {
+    # the local attention rejects packed (THD) sequences (transformer/dot_product_attention.py:153)
+    "actor_rollout_ref.model.use_remove_padding": False,
+    "actor_rollout_ref.actor.megatron.use_remove_padding": False,
+    # verl asks for flash attention (workers/engine/megatron/transformer_impl.py:367): megatron's own
+    "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend": "local",
+    # the local spec's norms without Apex are torch's, which refuse sequence parallelism
+    # (megatron/core/transformer/torch_norm.py:50); the reference has its own flag
+    "actor_rollout_ref.actor.megatron.sequence_parallel": False,
+    "actor_rollout_ref.ref.megatron.sequence_parallel": False,
+    # fused RoPE and the persistent layer norm are CUDA kernels (Apex/TE)
+    f"{_MEGATRON_TF}.apply_rope_fusion": False,
+    f"{_MEGATRON_TF}.persist_layer_norm": False,
+    # Bridge's provider turns the fused masked softmax on (gpt_provider.py:199), an Apex/CUDA kernel
+    # (megatron/core/fusions/fused_softmax.py imports scaled_masked_softmax_cuda)
+    f"{_MEGATRON_TF}.masked_softmax_fusion": False,
+}
 
 
 # What every verl process imports on start (verl/__init__.py), on every platform
@@ -322,7 +346,8 @@ def check_verl_stage(
         raise ConfigError(
             f"{sid}.verl.profile_ranks", f"{outside}: not ranks of the job's {nnodes * gpus_per_node} GPUs"
         )
-    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node) + platform_overrides(platform)
+    overrides = verl_overrides(cfg, run, sid, nnodes, gpus_per_node)
+    overrides += platform_overrides(platform, s.verl.backend)
     try:
         validate_verl_config(compose_verl_config(overrides))
     except Exception as e:  # Hydra, OmegaConf, verl's asserts and ValueErrors: all say "bad config"
