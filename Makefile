@@ -1,4 +1,5 @@
 # make setup: .venv with everything pinned; make run: the embedded default; make test: lint and the suite.
+# make test-twin: verl's megatron backend on CPU in .venv-twin (make setup-twin), the GPU lock's versions.
 # make setup-gpu: .venv-gpu for GPU nodes (CUDA torch, vLLM, verl), from requirements-gpu.lock.
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
@@ -12,7 +13,7 @@ XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadsc
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
 
-.PHONY: setup setup-gpu setup-twin run lint test test-verl test-quick system-packages
+.PHONY: setup setup-gpu setup-twin run lint test test-verl test-twin test-quick system-packages
 
 setup: .venv/.done
 
@@ -132,6 +133,11 @@ test: lint system-packages
 test-verl: lint system-packages
 	slurm/local/start.sh
 	$(PY) -m pytest -q -m verl_chain $(PYTEST_ARGS)
+
+# verl's megatron backend on the CPU platform at the GPU lock's versions (tests/twin, in .venv-twin;
+# `make test` skips them, its venv lacking Megatron-Bridge). .ci/run runs it after `make test`.
+test-twin: setup-twin
+	.venv-twin/bin/python -m pytest -q -m twin tests/twin $(PYTEST_ARGS)
 
 # The quick subset. Its tests need shellcheck, Chromium, Open MPI and scontrol: they fail, not skip, without them.
 test-quick: setup system-packages
