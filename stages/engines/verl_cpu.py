@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from types import ModuleType
@@ -202,6 +203,11 @@ def _patch_megatron_backend() -> None:
 
 
 def _patch_megatron_engine(transformer_impl: ModuleType) -> None:
+    # Without Megatron-Bridge (the CPU .venv) verl's megatron engine can build no model and is never
+    # chosen (launch/verl_job.py refuses it); failing here would fail its import, which verl retries
+    # from engine/__init__.py:65 after mindspeed's attempt, registering it twice (base.py:389).
+    if importlib.util.find_spec("megatron.bridge") is None:
+        return
     from stages.engines.verl_cpu_megatron import patch_megatron
 
     patch_megatron()

@@ -709,3 +709,15 @@ def test_an_auto_layout_on_gpus_is_what_hpcr1_plan_writes_for_the_jobs_gpus(tmp_
         section = getattr(resolved, sid).verl
         assert f"{key}={getattr(section, name)}" in plan_lines, (key, plan_lines)
         assert any(line.startswith(f"{key}=auto -> ") for line in lines)
+
+
+def test_verls_engines_import_on_the_cpu_platform_without_megatron_bridge():
+    """The CPU .venv has megatron-core but no Megatron-Bridge: verl's engine registry (which every
+    trainer imports, the FSDP one too) must still import with the platform's megatron patches armed."""
+    env = {**os.environ, **verl_process_env("cpu"), "PYTHONPATH": str(REPO)}
+    code = (
+        "import verl, verl.workers.engine as e; print(e.MegatronEngine is not None, e.FSDPEngine is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "True"]
