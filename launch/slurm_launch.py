@@ -69,15 +69,14 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = Fa
 OFI_PLUGIN_NAMES = ("libnccl-net.so", "libnccl-net-ofi.so")
 
 
-def nccl_plugin_problem(env: dict[str, str] | None = None) -> str | None:
+def nccl_plugin_problem() -> str | None:
     """Why NCCL will not start its communicators here, or None. NCCL_NET="AWS Libfabric" (a
     Slingshot profile's) makes a missing aws-ofi-nccl plugin an error at the first collective of
     every rank, after the job has waited in the queue; said before any rank starts. The plugin is
-    looked for as NCCL looks for it: dlopen, with this process's library path."""
-    env = os.environ if env is None else env
-    if env.get("NCCL_NET") != "AWS Libfabric":
+    looked for as NCCL looks for it: dlopen, with this process's environment and library path."""
+    if os.environ.get("NCCL_NET") != "AWS Libfabric":
         return None
-    plugin = env.get("NCCL_NET_PLUGIN")
+    plugin = os.environ.get("NCCL_NET_PLUGIN")
     names = (plugin, f"libnccl-net-{plugin}.so") if plugin else OFI_PLUGIN_NAMES
     for name in names:
         try:

@@ -209,12 +209,8 @@ def generation_of(cfg: RunConfig, sid: str) -> tuple[str, VerlRolloutConfig, Sam
 
 def planned_prompts(cfg: RunConfig, sid: str) -> int:
     """The prompts stage `sid`'s generation on verl is given at most (synthesis's, or held-out eval's)."""
-    stage = getattr(cfg, sid)
-    return (
-        stage.num_prompts
-        if isinstance(stage, SynthStage) and stage.engine == "verl"
-        else cfg.eval.num_examples
-    )
+    field, _, _ = generation_of(cfg, sid)
+    return getattr(cfg, sid).num_prompts if field == sid else cfg.eval.num_examples
 
 
 def generation_paths(run: RunDir, sid: str) -> dict[str, Path]:

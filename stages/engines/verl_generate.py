@@ -90,14 +90,14 @@ def main(argv: list[str]) -> int:
     passes = [(RESPONSES, rollout.n, sampling)]
     if sampled:
         passes.append((SAMPLED_RESPONSES, sampled["n"], {**sampling, "temperature": sampled["temperature"]}))
+    seed = rollout.seed
     try:
         servers, addresses = asyncio.run(start_server(config))
         for column, n, params in passes:
-            # the second pass's seeds follow the first's: no request shares its seed with another
-            seed = rollout.seed + (len(prompts) * rollout.n if column == SAMPLED_RESPONSES else 0)
             answers = asyncio.run(
                 generate_all(servers, addresses, prompts, n, params, seed, in_flight, timeout_s)
             )
+            seed += len(prompts) * n  # the next pass's seeds follow: no two requests share one
             table[column] = [[tokenizer.decode(a, skip_special_tokens=True) for a in row] for row in answers]
             print(f"{len(answers)} prompts x {n} answers -> {config.data.output_path} ({column})", flush=True)
     finally:
