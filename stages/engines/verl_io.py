@@ -9,8 +9,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -120,16 +118,22 @@ def megatron_hf_dir(actor: Path) -> Path:
 
 
 def _merge_fsdp_shards(actor: Path, staging: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "verl.model_merger",
-        "merge",
-        "--backend=fsdp",
-        f"--local_dir={actor}",
-        f"--target_dir={staging}",
-    ]
-    subprocess.run(cmd, check=True)
+    """verl's merger (`python -m verl.model_merger merge --backend=fsdp`), run in this process: a
+    Python of its own would spend seconds importing torch and verl again."""
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    staging.mkdir(parents=True)
+    config = ModelMergerConfig(
+        operation="merge",
+        backend="fsdp",
+        local_dir=str(actor),
+        target_dir=str(staging),
+        hf_model_config_path=str(actor / "huggingface"),  # where the checkpoint manager puts it
+    )
+    merger = FSDPModelMerger(config)
+    merger.merge_and_save()
+    merger.cleanup()
 
 
 def traces_to_events(trace_dir: Path, profile_dir: Path, stage: str) -> int:
