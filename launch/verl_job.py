@@ -120,7 +120,7 @@ def check_verl_job(
         return
     field, rollout, sampling = generation_of(cfg, sid)
     paths = generation_paths(run, sid)
-    answers = planned_prompts(cfg, sid) * sampling.n
+    answers = planned_answers(cfg, sid)
     overrides = generation_overrides(  # the model is an earlier stage's, not there yet: any path composes
         Path("/model"),
         rollout,
@@ -207,10 +207,13 @@ def generation_of(cfg: RunConfig, sid: str) -> tuple[str, VerlRolloutConfig, Sam
     return "eval", cfg.eval.verl, Sampling(1, GREEDY, 1.0, cfg.eval.max_new_tokens)
 
 
-def planned_prompts(cfg: RunConfig, sid: str) -> int:
-    """The prompts stage `sid`'s generation on verl is given at most (synthesis's, or held-out eval's)."""
-    field, _, _ = generation_of(cfg, sid)
-    return getattr(cfg, sid).num_prompts if field == sid else cfg.eval.num_examples
+def planned_answers(cfg: RunConfig, sid: str) -> int:
+    """The answers stage `sid`'s generation on verl asks for at most: synthesis's, or held-out eval's
+    (greedy and k sampled, for the held-out and validation examples)."""
+    field, _, sampling = generation_of(cfg, sid)
+    if field == sid:
+        return getattr(cfg, sid).num_prompts * sampling.n
+    return (cfg.eval.num_examples + cfg.eval.validation_count) * (1 + cfg.eval.samples)
 
 
 def generation_paths(run: RunDir, sid: str) -> dict[str, Path]:
@@ -406,26 +409,42 @@ def _synthesise_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass
 
 
 def _evaluate_on_verl(cfg, run: RunDir, sid: str, nodes: tuple[int, int], pass_fds) -> int:
-    """final/'s held-out result as the native eval measures it (stages/eval.py): greedy answers,
-    and the mean accuracy of eval.samples (k) answers sampled at eval.temperature, all at
-    eval.max_new_tokens, by verl's replicas."""
-    from stages.eval import accuracy_of, mean_at_k, tally
+    """final/'s held-out and validation results as the native eval measures them (stages/eval.py):
+    greedy answers, and the mean accuracy of eval.samples (k) answers sampled at eval.temperature, all
+    at eval.max_new_tokens, by verl's replicas in one pass."""
+    from stages.inputs import validation_examples
 
-    examples = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
+    held_out = read_examples(run.task_file("eval"))[: cfg.eval.num_examples]
+    validation = validation_examples(run, cfg.eval.validation_count)
     k = cfg.eval.samples
     sampled = Sampling(k, cfg.eval.temperature, 1.0, cfg.eval.max_new_tokens) if k else None
-    answers = _generate_on_verl(cfg, run, sid, run.final(sid), examples, nodes, pass_fds, sampled)
+    answers = _generate_on_verl(
+        cfg, run, sid, run.final(sid), held_out + validation, nodes, pass_fds, sampled
+    )
     if isinstance(answers, int):
         return answers
-    result = accuracy_of(tally(examples, [a[0] for a in answers[RESPONSES]]))
-    if k:
-        rows = [ex for ex in examples for _ in range(k)]  # each problem's k answers side by side
-        flat = [a for row in answers[SAMPLED_RESPONSES] for a in row]
-        result.update(mean_at_k(tally(rows, flat), k), temperature=cfg.eval.temperature)
-    result.update(engine="verl", max_new_tokens=cfg.eval.max_new_tokens)
+    split = len(held_out)
+    result = _scored(cfg, held_out, {column: rows[:split] for column, rows in answers.items()})
+    if validation:
+        result["validation"] = _scored(
+            cfg, validation, {column: rows[split:] for column, rows in answers.items()}
+        )
     atomic_write_text(run.eval_result(sid), json.dumps(result))
     print(f"{sid}: held-out accuracy {result['accuracy']:.3f} on {result['n']} examples (verl)", flush=True)
     return 0
+
+
+def _scored(cfg, examples: list[Example], answers: dict[str, list[list[str]]]) -> dict:
+    """The eval result of `examples` from verl's answers to them (greedy, and k sampled where asked)."""
+    from stages.eval import accuracy_of, mean_at_k, tally
+
+    result = accuracy_of(tally(examples, [a[0] for a in answers[RESPONSES]]))
+    if SAMPLED_RESPONSES in answers:
+        k = cfg.eval.samples
+        rows = [ex for ex in examples for _ in range(k)]  # each problem's k answers side by side
+        flat = [a for row in answers[SAMPLED_RESPONSES] for a in row]
+        result.update(mean_at_k(tally(rows, flat), k), temperature=cfg.eval.temperature)
+    return {**result, "engine": "verl", "max_new_tokens": cfg.eval.max_new_tokens}
 
 
 def write_verl_data(cfg, run: RunDir, sid: str, prompts: list[Example]) -> None:

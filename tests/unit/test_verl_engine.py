@@ -428,8 +428,8 @@ def test_a_megatron_layout_that_does_not_divide_the_gpus_names_megatron_tp(tmp_p
 def verl_stage_run(tmp_path, monkeypatch):
     """A prepared run with a verl GRPO stage from the base model; `_run_verl` and the hand-over
     stubbed: what the job would start is recorded (args, env). Running it takes a Ray cluster and
-    verl's trainer: tests/dist/test_verl_on_cpu.py (logger and wandb reach the actors) and
-    tests/slurm/test_slurm_verl.py (whole stages) do."""
+    verl's trainer: tests/slurm/test_slurm_verl.py (whole stages; logger and wandb reach the
+    actors) does."""
     from launch import verl_job
     from pipeline.driver import check_run, write_run
 
@@ -486,30 +486,41 @@ def test_an_attempt_resuming_at_the_last_step_hands_over_without_starting_verls_
 
 def test_a_grpo_stage_on_verl_is_scored_with_every_stages_eval_settings(verl_stage_run, monkeypatch):
     """verl validated with the GRPO stage's max_new_tokens and greedy only: accuracies not comparable
-    with the other stages' (eval.max_new_tokens, mean@k). Now no validation runs in training, and
-    final/ is scored after the hand-over by verl's replicas with the eval section's settings."""
+    with the other stages' (eval.max_new_tokens, mean@k), and no validation split. Now no validation
+    runs in training, and final/ is scored after the hand-over by verl's replicas with the eval
+    section's settings, held-out and validation examples in one pass."""
     from launch import verl_job
+    from stages.data.examples import read_examples
+    from stages.inputs import validation_examples
 
     cfg, run, started = verl_stage_run
     monkeypatch.setattr(verl_job, "_evaluate_on_verl", EVALUATE_ON_VERL)
+    validation = {ex.prompt for ex in validation_examples(run, cfg.eval.validation_count)}
+    held_out = len(read_examples(run.task_file("eval"))[: cfg.eval.num_examples])
     asked = []
 
     def replicas(cfg, run, sid, model_dir, examples, nodes, fds, sampled=None):
-        asked.append((verl_job.generation_of(cfg, sid)[2], sampled))
-        right = [f"<think>x</think> <answer>{ex.answer}</answer>" for ex in examples]
+        """Every held-out answer right, half the sampled ones; every validation answer wrong."""
+        asked.append((verl_job.generation_of(cfg, sid)[2], sampled, len(examples)))
+        right = ["no" if ex.prompt in validation else f"<think>x</think> <answer>{ex.answer}</answer>"
+                 for ex in examples]  # fmt: skip
         return {"responses": [[a] for a in right], "sampled_responses": [[a, "no"] * 2 for a in right]}
 
     monkeypatch.setattr(verl_job, "_generate_on_verl", replicas)
     assert verl_job._train_on_verl(cfg, run, "stage2_grpo", (1, 2), ()) == 0
     assert compose_verl_config(started[0][0][2:]).trainer.test_freq <= 0  # no validation in training
-    greedy, sampled = asked[0]
+    greedy, sampled, prompts = asked[0]
     assert (
         greedy.temperature == 0 and greedy.max_new_tokens == sampled.max_new_tokens == cfg.eval.max_new_tokens
     )
     assert cfg.eval.max_new_tokens != cfg.stage2_grpo.max_new_tokens
     assert (sampled.n, sampled.temperature) == (cfg.eval.samples, cfg.eval.temperature) == (4, 0.7)
     result = json.loads(run.eval_result("stage2_grpo").read_text())
-    assert (result["accuracy"], result["mean_at_k"], result["k"]) == (1.0, 0.5, 4)
+    assert (result["accuracy"], result["mean_at_k"], result["k"], result["n"]) == (1.0, 0.5, 4, held_out)
+    assert validation and prompts == held_out + len(validation)
+    scored = result["validation"]
+    assert (scored["accuracy"], scored["mean_at_k"], scored["n"]) == (0.0, 0.0, len(validation)), scored
+    assert scored["engine"] == "verl" and scored["max_new_tokens"] == cfg.eval.max_new_tokens
 
 
 def test_max_pass_rate_on_verl_trains_on_the_prompts_the_starting_model_does_not_already_solve(
