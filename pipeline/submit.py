@@ -152,10 +152,7 @@ def _launch_if_nccl_can_start(run: RunDir, stage_id: str, launch) -> int:
     problem = nccl_plugin_problem()
     if problem is None:
         return launch()
-    try:
-        raise RuntimeError(problem)
-    except RuntimeError as e:
-        record_exception(run.logs(stage_id), 0, e)
+    record_exception(run.logs(stage_id), 0, RuntimeError(problem))
     print(f"hpcr1: {stage_id}: {problem}", flush=True)
     return 1
 

@@ -81,13 +81,14 @@ def record_crashes(log_dir: Path, rank: int) -> None:
 
 
 def record_exception(log_dir: Path, rank: int, exc: BaseException) -> None:
-    """Called in the rank's `except` block, so its traceback is the one being handled."""
+    """`exc` as the manifest's failure of `rank`: its type, message and traceback (none where it was
+    never raised)."""
     record = {
         "rank": rank,
         "time": time.time(),
         "type": type(exc).__name__,
         "message": str(exc),
-        "traceback": traceback.format_exc()[-4000:],
+        "traceback": "".join(traceback.format_exception(exc))[-4000:],
     }
     atomic_write_text(record_path(log_dir, rank), json.dumps(record, indent=2) + "\n")
 
