@@ -314,8 +314,8 @@ def test_verls_fsdp_actor_asks_only_for_attention_the_gpu_lock_installs(grpo_8b)
 
 class FakeReplica:
     """A verl replica whose server answers each request after `delay_s` (never, if None), counting
-    how many it holds at once. Real replicas (Ray actors: tests/dist/test_verl_on_cpu.py answers
-    through two) cannot be made to hold requests a set time, or never answer."""
+    how many it holds at once. Real replicas (Ray actors: tests/slurm/test_slurm_verl.py's held-out
+    evals) cannot be made to hold requests a set time, or never answer."""
 
     def __init__(self, delay_s: float | None, address: str = "10.0.0.1:8000"):
         import concurrent.futures
