@@ -14,6 +14,7 @@ from verl.protocol import DataProto
 from runtime.dist import shutdown_distributed
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.rollout import sequences
+from tests.dist.workers.results import leave
 
 GROUP, MINI_BATCHES, GROUPS_PER_CHUNK, EOS = 2, 2, 3, 1
 
@@ -52,3 +53,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    leave()

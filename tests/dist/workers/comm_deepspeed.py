@@ -15,6 +15,7 @@ import torch.distributed as dist
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
 from runtime.phases import phase
+from tests.dist.workers.results import leave
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 4,
@@ -50,3 +51,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave()

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
 from runtime.phases import phase
+from tests.dist.workers.results import leave
 
 N = 1000  # float32 elements per tensor: 4000 bytes
 
@@ -108,3 +109,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave()

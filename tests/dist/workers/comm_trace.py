@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
 from runtime.phases import phase
+from tests.dist.workers.results import leave
 
 
 def main(out_dir: str) -> None:
@@ -35,3 +36,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave()

@@ -32,7 +32,7 @@ from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron
 from stages.models.hf_files import HFCheckpoint
 from stages.models.megatron_llama import build_megatron_llama
-from tests.dist.workers.results import print_result
+from tests.dist.workers.results import leave, print_result
 
 
 def status_bytes(field: str) -> int:
@@ -178,3 +178,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    leave()

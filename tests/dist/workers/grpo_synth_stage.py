@@ -17,6 +17,7 @@ from core.rundir import RunDir
 from runtime.context import StageContext
 from runtime.dist import init_distributed, shutdown_distributed
 from stages import synth
+from tests.dist.workers.results import leave
 
 
 def stub_responses(model, tokenizer, prompts, max_new_tokens, temperature, top_p):
@@ -49,3 +50,4 @@ def main(run_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    leave()

@@ -20,7 +20,7 @@ from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
-from tests.dist.workers.results import print_result
+from tests.dist.workers.results import leave, print_result
 from tests.support.llama_configs import GQA_LLAMA, GQA_LLAMA_TIED
 
 CONFIG, TIED = GQA_LLAMA, GQA_LLAMA_TIED
@@ -265,3 +265,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    leave()
