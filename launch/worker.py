@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def leave_now(code: int) -> None:
-    """Exit without the interpreter's finalisation."""
+    """Exit without the interpreter's finalisation: a rank past `shutdown_distributed` has still
+    been aborted there under load by a gloo thread being torn down (SIGABRT, "terminate called
+    without an active exception"; test workers end this way too)."""
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from verl.protocol import DataProto
 
+from launch.worker import leave_now
 from runtime.dist import shutdown_distributed
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.rollout import sequences
-from tests.dist.workers.results import leave
 
 GROUP, MINI_BATCHES, GROUPS_PER_CHUNK, EOS = 2, 2, 3, 1
 
@@ -53,4 +53,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    leave()
+    leave_now(0)

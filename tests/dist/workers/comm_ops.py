@@ -15,10 +15,10 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed import all_reduce as all_reduce_imported_early  # a caller the profiler must still see
 from torch.distributed.fsdp import fully_shard
 
+from launch.worker import leave_now
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
 from runtime.phases import phase
-from tests.dist.workers.results import leave
 
 N = 1000  # float32 elements per tensor: 4000 bytes
 
@@ -109,4 +109,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    leave()
+    leave_now(0)

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from launch.worker import leave_now
 from runtime.comm_profiler import CommProfiler
 from runtime.dist import shutdown_distributed
 from runtime.phases import phase
-from tests.dist.workers.results import leave
 
 SLOW_RANK, DELAY_S, CALLS = 1, 0.3, 3
 POLL_S = 0.005
@@ -52,4 +52,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    leave()
+    leave_now(0)

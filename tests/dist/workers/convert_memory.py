@@ -26,13 +26,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from launch.worker import leave_now
 from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, hf_to_megatron, load_hf_into_megatron
 from stages.models.hf_files import HFCheckpoint
 from stages.models.megatron_llama import build_megatron_llama
-from tests.dist.workers.results import leave, print_result
+from tests.dist.workers.results import print_result
 
 
 def status_bytes(field: str) -> int:
@@ -178,4 +179,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    leave()
+    leave_now(0)

@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from launch.worker import leave_now
 from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines import fsdp2, state_dicts
-from tests.dist.workers.results import leave, print_result
+from tests.dist.workers.results import print_result
 from tests.support.llama_configs import llama3_rope
 
 # Odd vocabulary and FFN sizes: dim 0 does not divide by 2 ranks, so the shards are uneven.
@@ -100,4 +101,4 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    leave()
+    leave_now(0)

@@ -14,10 +14,10 @@ import yaml
 
 from core.config import RunConfig
 from core.rundir import RunDir
+from launch.worker import leave_now
 from runtime.context import StageContext
 from runtime.dist import init_distributed, shutdown_distributed
 from stages import synth
-from tests.dist.workers.results import leave
 
 
 def stub_responses(model, tokenizer, prompts, max_new_tokens, temperature, top_p):
@@ -50,4 +50,4 @@ def main(run_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    leave()
+    leave_now(0)

@@ -15,12 +15,13 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from launch.worker import leave_now
 from runtime.dist import init_distributed, shutdown_distributed
 from stages.engines.cpu_shim import apply_cpu_shim
 from stages.models.convert import export_megatron_to_hf, load_hf_into_megatron, megatron_to_hf
 from stages.models.hf_files import read_hf_weights, save_hf_dir
 from stages.models.megatron_llama import build_megatron_llama
-from tests.dist.workers.results import leave, print_result
+from tests.dist.workers.results import print_result
 from tests.support.llama_configs import GQA_LLAMA, GQA_LLAMA_TIED
 
 CONFIG, TIED = GQA_LLAMA, GQA_LLAMA_TIED
@@ -265,4 +266,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    leave()
+    leave_now(0)

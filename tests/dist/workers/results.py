@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 PREFIX = "RESULT "
@@ -19,12 +18,3 @@ def print_result(finding: dict) -> None:
 def read_results(stdout: str) -> list[dict]:
     """The findings of every `RESULT` line of the workers' output, in order."""
     return [json.loads(line.removeprefix(PREFIX)) for line in stdout.splitlines() if line.startswith(PREFIX)]
-
-
-def leave() -> None:
-    """A worker's end once its results are out, as a stage's forked rank ends (launch/worker.py,
-    leave_now): without the interpreter's finalisation, where a gloo thread still being torn down
-    after `shutdown_distributed` has aborted a finished rank under load (SIGABRT, "terminate called
-    without an active exception": test_fsdp2_load, twice in the suite's runs)."""
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
 
+from launch.worker import leave_now
 from runtime.dist import shutdown_distributed
-from tests.dist.workers.results import leave
 
 
 def main(model_dir: str, ckpt_root: str, step: int) -> None:
@@ -51,4 +51,4 @@ def main(model_dir: str, ckpt_root: str, step: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
-    leave()
+    leave_now(0)
