@@ -332,6 +332,21 @@ class GRPOStage(Section):
     sampling, which saves that forward (verl's algorithm.rollout_correction.bypass_mode). The native
     rollout samples from the actor's weights, synced before every rollout, in the same dtype, so the
     two differ by rounding only; with a vLLM/SGLang rollout (engine 'verl') they may differ more."""
+    rollout_ranks: NonNegativeInt = 0
+    """Ranks that only generate, the job's last ones (the native engine's): the others train, and
+    each side works at its own pace, the weights going from the trainers to the generators by a
+    broadcast after every step (phase weight_sync). 0: every rank generates, then trains (colocated).
+    The actor and the reference are replicated over the trainers (data_parallel 'ddp')."""
+    max_staleness: NonNegativeInt = 1
+    """With rollout_ranks: the batch trained at step s was generated with the weights of step s - k
+    (the initial ones for the first k steps), exactly, so that a resumed stage repeats the schedule.
+    1: generating step s + 1 overlaps training step s. 0: generation waits for every update."""
+    importance_cap: PositiveFloat | None = 2.0
+    """With rollout_ranks: each token's policy-gradient term of a stale batch is weighted by the
+    ratio of the old policy's probability to the behaviour policy's (the rollout's), truncated at
+    this cap (verl's rollout correction, token level; its mean, max and capped fraction are in the
+    step's metrics). None: no correction. With old_log_probs 'rollout' the two are one and every
+    weight is 1: the PPO ratio itself is then taken against the behaviour policy."""
     balance_batch: bool = True
     """Move whole groups of rollout rows between ranks after the rollout so that each rank's share of
     every mini-batch has about the same tokens (verl's trainer.balance_batch): the reference pass and
@@ -720,14 +735,34 @@ def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
     if s.engine == "verl":
+        if s.rollout_ranks:
+            message = "the native engine's: verl's own split (separate_async) is not wired in yet"
+            raise ConfigError(f"{sid}.rollout_ranks", message)
         _check_token_budget(sid, s)
         return  # verl splits batches over GPUs its own way: checked against verl's rules at submission
-    if s.prompts_per_step % cfg.nproc:
+    trainers = cfg.nproc - s.rollout_ranks
+    if s.rollout_ranks:
+        _check_rollout_ranks(cfg, sid, s)
+    if s.prompts_per_step % trainers:
         raise ConfigError(
-            f"{sid}.prompts_per_step", f"{s.prompts_per_step} is not a multiple of nproc ({cfg.nproc})"
+            f"{sid}.prompts_per_step",
+            f"{s.prompts_per_step} is not a multiple of the training ranks ({trainers})",
         )
-    if (s.prompts_per_step // cfg.nproc) % s.mini_batches:
+    if (s.prompts_per_step // trainers) % s.mini_batches:
         raise ConfigError(
             f"{sid}.mini_batches",
-            f"{s.mini_batches} does not divide the prompts per rank ({s.prompts_per_step // cfg.nproc})",
+            f"{s.mini_batches} does not divide a training rank's prompts ({s.prompts_per_step // trainers})",
         )
+
+
+def _check_rollout_ranks(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
+    """What a split of the ranks into generators and trainers needs (stages/grpo/split.py)."""
+    if not s.rollout_ranks <= cfg.nproc // 2:
+        message = f"{s.rollout_ranks} of {cfg.nproc} ranks leaves fewer trainers than generators"
+        raise ConfigError(f"{sid}.rollout_ranks", message)
+    if s.data_parallel != "ddp":
+        message = "rollout_ranks needs 'ddp' (fsdp2 over the trainers alone is not built)"
+        raise ConfigError(f"{sid}.data_parallel", message)
+    if s.max_pass_rate < 1:
+        message = "prompt selection runs on colocated ranks only: 1.0 with rollout_ranks"
+        raise ConfigError(f"{sid}.max_pass_rate", message)

@@ -81,6 +81,21 @@ def rank_device() -> torch.device:
     return torch.device(kind, torch.accelerator.current_device_index())
 
 
+# The ranks that train the stage's model, where not every rank does (a GRPO stage whose rollout has
+# ranks of its own): the group its gradients, statistics and checkpoints go over. None: the world.
+_training_group: dist.ProcessGroup | None = None
+
+
+def training_group() -> dist.ProcessGroup | None:
+    """The training ranks' group, for the `group` argument of a collective (None: the world)."""
+    return _training_group
+
+
+def set_training_group(group: dist.ProcessGroup | None) -> None:
+    global _training_group
+    _training_group = group
+
+
 def release_cached_memory() -> None:
     """Give what freed tensors held back to the device (the caching allocator keeps it otherwise),
     e.g. between training and evaluating on the same GPU."""

@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from runtime.dist import rank_device
+from runtime.dist import rank_device, training_group
 
 # torch 2.13 renamed the switch (the old name is deprecated); the GPU lock's torch 2.11 (vLLM's
 # pin) knows only the old one.
@@ -48,7 +48,7 @@ def load_replicated(
         model.forward = torch.autocast(device.type, dtype=compute_dtype)(model.forward)
     # The only buffers are the rotary embedding's frequencies, computed from the config on every
     # rank: broadcasting them before every forward (DDP's default) would be a collective a forward.
-    return DistributedDataParallel(model, **NO_BUFFER_SYNC)
+    return DistributedDataParallel(model, process_group=training_group(), **NO_BUFFER_SYNC)
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from runtime.dist import training_group
 from stages.engines.ddp import unwrapped
 from stages.models.hf_files import save_hf_dir
 
@@ -40,7 +41,7 @@ def export_hf(model: torch.nn.Module, out_dir: Path, tokenizer_dir: Path, dtype:
     if dist.get_rank() == 0:
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
         save_hf_dir(state, unwrapped(model).config, out_dir, tokenizer_dir=tokenizer_dir)
-    dist.barrier()
+    dist.barrier(group=training_group())
 
 
 def save_checkpoint(
@@ -48,15 +49,19 @@ def save_checkpoint(
 ) -> None:
     """Sharded model and optimizer state (each rank writes its own shards) plus the trainer state."""
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    dcp.save(
+        {"model": model_state, "optim": optim_state},
+        checkpoint_id=str(directory),
+        process_group=training_group(),
+    )
     if dist.get_rank() == 0:
         (directory / TRAINER_STATE).write_text(json.dumps(trainer_state))
-    dist.barrier()
+    dist.barrier(group=training_group())
 
 
 def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> dict:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
+    dcp.load(state, checkpoint_id=str(directory), process_group=training_group())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return json.loads((directory / TRAINER_STATE).read_text())

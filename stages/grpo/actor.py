@@ -18,6 +18,7 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from core.config import GRPOStage
+from runtime.dist import training_group
 from stages.engines import ddp, fsdp2, state_dicts
 from stages.grpo.logprobs import micro_batch_log_probs, response_log_probs, update_micro_batches
 from stages.grpo.losses import actor_loss, policy_loss_config
@@ -34,6 +35,8 @@ class Actor:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=stage.lr, weight_decay=0.0, fused=True)
         self.loss_config = policy_loss_config(stage.clip_ratio, stage.group_size)
         self.recomputes_old_log_probs = stage.old_log_probs == "actor"
+        # Batches from ranks of their own may be stale: corrected towards the old policy.
+        self.importance_cap = stage.importance_cap if stage.rollout_ranks else None
         if self.sharded and stage.shares_prompts:
             # A backward over shared prompts differentiates each layer twice (the responses' forward,
             # then the prompts'); kept gathered after the first, the layer needs no second all-gather.
@@ -66,7 +69,7 @@ class Actor:
         rate is a function of the iteration (1-based), so a resumed run needs no scheduler state."""
         self._set_lr(self.stage.lr * min(1.0, iteration / max(self.stage.warmup_steps, 1)))
         totals: dict[str, torch.Tensor] = {}
-        world = dist.get_world_size()
+        world = dist.get_world_size(training_group())
         for epoch in range(self.stage.ppo_epochs):
             for index, mini in enumerate(batch.chunk(self.stage.mini_batches)):
                 on_policy = self.recomputes_old_log_probs and epoch == 0 and index == 0
@@ -87,7 +90,7 @@ class Actor:
         # share of a global token mean, the clip fraction a per-rank mean, the norm the same everywhere.
         names = sorted(totals)
         summed = torch.stack([totals[k] for k in names])
-        dist.all_reduce(summed)
+        dist.all_reduce(summed, group=training_group())
         updates = self.stage.ppo_epochs * self.stage.mini_batches
         return {f"actor/{k}": v / (updates * world) for k, v in zip(names, summed.tolist())}
 
@@ -98,7 +101,7 @@ class Actor:
         mean over this rank's tokens). On policy, the forwards' own log-probs become the old ones."""
         mask = mini.batch["response_mask"]
         global_tokens = mask.sum()
-        dist.all_reduce(global_tokens)
+        dist.all_reduce(global_tokens, group=training_group())
         global_tokens, rank_tokens = int(global_tokens.clamp(min=1)), mask.sum().clamp(min=1)
         groups = update_micro_batches(
             mini, self.stage.micro_batch_size, self.stage.shares_prompts, self.sharded
@@ -120,7 +123,14 @@ class Actor:
             for key, value in (("old_log_probs", log_prob.detach()), ("entropy", entropy)):
                 mini.batch[key][rows] = micro.batch[key] = value
         loss, stats = actor_loss(
-            log_prob, micro, self.loss_config, self.stage.kl_coef, self.stage.kl_type, global_tokens, world
+            log_prob,
+            micro,
+            self.loss_config,
+            self.stage.kl_coef,
+            self.stage.kl_type,
+            global_tokens,
+            world,
+            self.importance_cap,
         )
         loss.backward()
         return stats

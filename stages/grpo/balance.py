@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from verl.protocol import DataProto
 from verl.utils.seqlen_balancing import get_group_balanced_partitions
 
+from runtime.dist import training_group
 from stages.grpo.logprobs import INPUTS
 
 PROMPT_KEYS = ("prompts",)  # [rows, prompt width], left-padded; INPUTS are prompt then response columns
@@ -27,7 +28,8 @@ def balance_across_ranks(batch: DataProto, mini_batches: int, group_size: int) -
     """This rank's rows after balancing: its share of mini-batch 0, then of mini-batch 1, ... (so
     that `chunk(mini_batches)` still gives its share of each). The batch holds whole groups of
     `group_size` consecutive rows, `mini_batches` equal chunks of them."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    group = training_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return batch
     everyone = DataProto.concat(gather(batch))
@@ -49,10 +51,11 @@ def gather(batch: DataProto) -> list[DataProto]:
     prompt, response = batch.batch["prompts"].shape[1], batch.batch["responses"].shape[1]
     device = batch.batch["responses"].device
     widths = torch.tensor([prompt, response], device=device)
-    dist.all_reduce(widths, op=dist.ReduceOp.MAX)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=training_group())
     padded = padded_to(batch, *widths.tolist())
-    batches = [None] * dist.get_world_size()
-    dist.all_gather_object(batches, padded.to("cpu"))  # pickled: moved by the host, whatever the device
+    batches = [None] * dist.get_world_size(training_group())
+    # pickled: moved by the host, whatever the device
+    dist.all_gather_object(batches, padded.to("cpu"), group=training_group())
     return [b.to(device) for b in batches]
 
 

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from verl.protocol import DataProto
 from verl.utils.torch_functional import entropy_from_logits
 
+from runtime.dist import training_group
 from stages.engines.ddp import unwrapped
 
 INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -110,10 +111,10 @@ def most_over_ranks(count: int, device: torch.device) -> int:
     equal rows, so the counts agree anyway, and this makes sure. Where prompts are shared (layers
     kept whole) the counts may differ, harmlessly: one all-gather the first forward and one
     reduce-scatter or all-reduce a backward, whatever the forwards."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(training_group()) == 1:
         return count
     most = torch.tensor([count], device=device)
-    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=training_group())
     return int(most)
 
 

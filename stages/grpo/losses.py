@@ -17,6 +17,7 @@ from verl.trainer.ppo.core_algos import (
     get_policy_loss_fn,
     kl_penalty,
 )
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 from verl.workers.config.actor import ActorConfig
 
 TOKEN_MEAN = "token-mean"
@@ -55,13 +56,16 @@ def actor_loss(
     kl_type: str,
     global_tokens: int,
     world: int,
+    importance_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate + kl_coef * KL(policy || reference) on this rank's part of a mini-batch."""
+    """Clipped surrogate + kl_coef * KL(policy || reference) on this rank's part of a mini-batch;
+    with `importance_cap`, each token's surrogate weighted by truncated_importance_weights."""
     t = batch.batch
     mask = t["response_mask"]
     config.global_batch_info.update(dp_size=world, batch_num_tokens=global_tokens)
+    weights = None if importance_cap is None else truncated_importance_weights(batch, importance_cap)
     pg_loss, pg_metrics = get_policy_loss_fn("vanilla")(
-        t["old_log_probs"], log_prob, t["advantages"], mask, TOKEN_MEAN, config
+        t["old_log_probs"], log_prob, t["advantages"], mask, TOKEN_MEAN, config, rollout_is_weights=weights
     )
     clip_frac = torch.tensor(pg_metrics["actor/pg_clipfrac"], device=mask.device)
     stats = {"pg_loss": pg_loss.detach(), "clip_frac": clip_frac}
@@ -75,3 +79,12 @@ def actor_loss(
         batch_num_tokens=global_tokens,
     )
     return pg_loss + kl_coef * kl, {**stats, "kl": kl.detach()}
+
+
+def truncated_importance_weights(batch: DataProto, cap: float) -> torch.Tensor:
+    """min(pi_old / pi_behaviour, cap) per response token (0 on padding): the old policy's
+    log-probs against those the rollout sampled with (verl's token-level TIS)."""
+    t = batch.batch
+    log_ratio = t["old_log_probs"] - t["rollout_log_probs"]
+    weights, _ = compute_rollout_correction_weights(log_ratio, t["response_mask"], "token", cap)
+    return weights

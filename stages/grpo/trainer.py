@@ -5,6 +5,8 @@ checkpoint: the prompt order and the sampling seeds are functions of (seed, step
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,13 +14,14 @@ import torch.distributed as dist
 from verl.protocol import DataProto
 
 from runtime.context import StageContext
-from runtime.dist import rank_device
+from runtime.dist import rank_device, set_training_group, training_group
 from runtime.group import from_rank0
 from runtime.phases import phase
 from runtime.preemption import leave_if_requested
 from stages.data.examples import read_examples
 from stages.data.tokenizer import load_tokenizer
 from stages.engines.precision import enable_tf32
+from stages.engines.state_dicts import TRAINER_STATE
 from stages.grpo.actor import Actor
 from stages.grpo.balance import balance_across_ranks
 from stages.grpo.difficulty import pass_counts, select_prompts
@@ -28,6 +31,18 @@ from stages.grpo.prompts import PromptSchedule, rank_share
 from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
 from stages.grpo.rollout import Rollout
+from stages.grpo.split import (
+    GENERATION_S,
+    WEIGHTS_VERSION,
+    BatchSender,
+    RankSplit,
+    SplitGroups,
+    StaleBatches,
+    batches_generated_at,
+    broadcast_weights,
+    receive_weights,
+    split_groups,
+)
 from stages.kept import MISSING, inputs_fingerprint, load_record, save_record
 from stages.training_loop import train
 
@@ -118,7 +133,29 @@ def learn_from(roles: Roles, batch: DataProto, iteration: int) -> dict[str, floa
         batch = batch.union(grpo_advantages(batch))
     with phase("policy_update"):
         update_stats = roles.actor.update(batch, iteration)
+    if stage.rollout_ranks:  # the batch may be stale: how far its behaviour policy is from the old one
+        update_stats |= importance_stats(batch, stage.importance_cap)
     return {**rollout_stats(batch), **update_stats}
+
+
+def importance_stats(batch: DataProto, cap: float | None) -> dict[str, float]:
+    """The old-to-behaviour probability ratio over the step's response tokens (all training ranks):
+    its mean and max before truncation, and the fraction the cap truncates (0 without a cap)."""
+    t = batch.batch
+    mask = t["response_mask"].bool()
+    ratio = torch.exp((t["old_log_probs"] - t["rollout_log_probs"]).clamp(-20, 20))[mask]
+    capped = (ratio > cap).sum().to(ratio.dtype) if cap is not None else ratio.new_tensor(0.0)
+    sums = torch.stack([ratio.sum(), capped, ratio.new_tensor(ratio.numel())])
+    most = ratio.max() if ratio.numel() else ratio.new_tensor(0.0)
+    dist.all_reduce(sums, group=training_group())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=training_group())
+    total, capped, tokens = sums.tolist()
+    tokens = max(tokens, 1.0)
+    return {
+        "importance/mean": total / tokens,
+        "importance/max": most.item(),
+        "importance/capped": capped / tokens,
+    }
 
 
 def rollout_stats(batch: DataProto) -> dict[str, float]:
@@ -137,7 +174,7 @@ def rollout_stats(batch: DataProto) -> dict[str, float]:
             (t["entropy"] * mask).sum().cpu(),
         ]
     ).to(rewards.device)
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=training_group())
     n, r, r2, correct, well_formed, tokens, entropy = sums.tolist()
     mean = r / n
     return {
@@ -206,13 +243,20 @@ def kept_pass_counts(ctx: StageContext, roles: Roles, prompts: list) -> list[int
     return counts
 
 
+def progress_postfix(stats: dict) -> dict:
+    return {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"}
+
+
 def run(ctx: StageContext) -> None:
     stage, cfg = ctx.stage, ctx.cfg
     enable_tf32(rank_device())
     init_dir = ctx.run.model_dir(stage.init_from)
     tokenizer = load_tokenizer(init_dir)
-    roles = build_roles(init_dir, tokenizer, stage)
     prompts = read_examples(ctx.run.task_file("prompts"))
+    if stage.rollout_ranks:
+        run_split(ctx, init_dir, tokenizer, PromptSchedule(prompts, stage.prompts_per_step, cfg.seed))
+        return
+    roles = build_roles(init_dir, tokenizer, stage)
     if stage.max_pass_rate < 1:
         prompts = prompts_to_learn(ctx, roles, prompts)
     schedule = PromptSchedule(prompts, stage.prompts_per_step, cfg.seed)
@@ -222,5 +266,118 @@ def run(ctx: StageContext) -> None:
         roles,
         init_dir,
         lambda step: (train_step_at(roles, schedule, stage, cfg.seed, step), samples),
-        lambda stats: {"reward": f"{stats['reward/mean']:.3f}", "acc": f"{stats['accuracy']:.2f}"},
+        progress_postfix,
     )
+
+
+class Generator:
+    """A rank of the rollout's own (stage.rollout_ranks, stages/grpo/split.py): per step, the
+    trainers' weights in, then the batches of a later step out. The training loop's engine there:
+    it has nothing of its own to checkpoint or export."""
+
+    def __init__(self, rollout: Rollout, split: RankSplit, groups: SplitGroups, schedule, stage, seed: int):
+        self.rollout, self.split, self.groups = rollout, split, groups
+        self.schedule, self.stage, self.seed = schedule, stage, seed
+        self.sender = BatchSender(groups.batches)
+
+    def step(self, step: int) -> tuple[dict, dict]:
+        stage = self.stage
+        steps = batches_generated_at(step, stage.max_staleness, stage.steps)
+        if steps:
+            with phase("weight_sync"):
+                receive_weights(self.rollout.model, self.groups.weights)
+        for later in steps:
+            global_batch = self.schedule.global_batch(later)
+            for trainer in self.split.served(dist.get_rank()):
+                prompts = rank_share(global_batch, trainer, self.split.trainers, stage.mini_batches)
+                with phase("rollout"):
+                    started = time.perf_counter()
+                    batch = self.rollout.generate(prompts, sampling_seed(self.seed, later, trainer))
+                    # the host's time: sending copies the batch to the host, which waits for the device
+                    batch.meta_info.update(step=later, **{WEIGHTS_VERSION: step})
+                    self.sender.send(batch, trainer, started)
+        if step == stage.steps - 1:
+            self.sender.wait()
+        return {}, {}
+
+    def save(self, directory, trainer_state: dict) -> None:
+        pass
+
+    def load(self, directory) -> dict:
+        return json.loads((directory / TRAINER_STATE).read_text())
+
+    def export_hf(self, out_dir, tokenizer_dir) -> None:
+        pass
+
+    def close(self) -> None:
+        self.sender.wait()
+        self.rollout = None
+
+
+@dataclass
+class SplitTrainer:
+    """A training rank of a split stage: the roles but the rollout, and the batches its generator
+    sent ahead, which a checkpoint keeps."""
+
+    roles: Roles
+    batches: StaleBatches
+    groups: SplitGroups
+
+    def step(self, step: int) -> dict[str, float]:
+        stage = self.roles.actor.stage
+        if batches_generated_at(step, stage.max_staleness, stage.steps):
+            with phase("weight_sync"), self.roles.actor.gathered_weights() as weights:
+                if dist.get_rank() == 0:
+                    broadcast_weights(weights, role_dtype(stage), self.groups.weights)
+        batch = self.batches.take(step)
+        if self.roles.actor.recomputes_old_log_probs:
+            batch.pop(batch_keys=["entropy"])  # the actor's forward gives the step's own
+        version, generation_s = batch.meta_info[WEIGHTS_VERSION], batch.meta_info[GENERATION_S]
+        stats = learn_from(self.roles, batch, step + 1)
+        return {
+            **stats,
+            "rollout/weights_version": version,
+            "rollout/staleness": step - version,
+            "rollout/generation_s": generation_s,
+        }
+
+    def save(self, directory, trainer_state: dict) -> None:
+        self.roles.save(directory, trainer_state)
+        stage, done = self.roles.actor.stage, trainer_state["step"]
+        ahead = range(done, min(done + stage.max_staleness, stage.steps))
+        self.batches.save(directory, list(ahead), dist.get_rank())
+
+    def load(self, directory) -> dict:
+        state = self.roles.load(directory)
+        self.batches.load(directory, dist.get_rank())
+        return state
+
+    def export_hf(self, out_dir, tokenizer_dir) -> None:
+        self.roles.export_hf(out_dir, tokenizer_dir)
+
+    def close(self) -> None:
+        self.roles.close()
+
+
+def run_split(ctx: StageContext, init_dir, tokenizer, schedule: PromptSchedule) -> None:
+    """The stage with its last stage.rollout_ranks ranks generating, the others training."""
+    stage, rank = ctx.stage, dist.get_rank()
+    split = RankSplit(dist.get_world_size(), stage.rollout_ranks)
+    groups = split_groups(split)
+    if split.generates(rank):
+        rollout = Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
+                          stage.top_p, with_log_probs=True, dtype=role_dtype(stage))  # fmt: skip
+        generator = Generator(rollout, split, groups, schedule, stage, ctx.cfg.seed)
+        train(ctx, generator, init_dir, generator.step, lambda stats: {})
+        return
+    set_training_group(groups.training)
+    reward = RuleReward(stage.format_reward)
+    roles = Roles(
+        actor=Actor(init_dir, stage),
+        reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
+        rollout=None,
+        reward=reward,
+    )
+    trainer = SplitTrainer(roles, StaleBatches(split.source(rank), groups.batches), groups)
+    samples = {"samples": stage.prompts_per_step * stage.group_size}
+    train(ctx, trainer, init_dir, lambda step: (trainer.step(step), samples), progress_postfix)

@@ -1,8 +1,9 @@
-"""The whole pipeline killed with SIGKILL (driver, torchrun and ranks) inside a step of three stages,
+"""The whole pipeline killed with SIGKILL (driver, torchrun and ranks) inside a step of four stages,
 each time after a checkpoint so that resuming repeats steps, and resumed with `hpcr1 run`: the
 weights of every stage and the synthetic data equal an uninterrupted run's byte for byte, each
-step is logged once, and no rank outlives a kill. The harness is bench/kill_anywhere.py's, at three
-chosen points."""
+step is logged once, and no rank outlives a kill. The harness is bench/kill_anywhere.py's, at four
+chosen points. stage2_grpo generates on a rank of its own, a step ahead (stages/grpo/split.py: its
+checkpoints keep the batch sent ahead); stage4_grpo generates and trains on both."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ from bench.kill_anywhere import kill_and_resume, pipeline_overrides, point_at, r
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 # (stage index, steps logged): one step past a checkpoint of stage1_sft (every 10 steps),
-# stage2_grpo and stage3_sft (every 2).
-KILLED_AFTER = [(0, 11), (1, 3), (3, 3)]
+# stage2_grpo, stage3_sft and stage4_grpo (every 2).
+KILLED_AFTER = [(0, 11), (1, 3), (3, 3), (4, 3)]
+SPLIT_GRPO = ("stage2_grpo.rollout_ranks=1", "stage2_grpo.max_staleness=1")
 
 
 @pytest.mark.timeout(3600)
 def test_killed_pipeline_resumes_to_the_uninterrupted_weights(tmp_path):
-    overrides = pipeline_overrides(nproc=2)
+    overrides = [*pipeline_overrides(nproc=2), *SPLIT_GRPO]
     timeline, _ = run_to_end(tmp_path / "uninterrupted", overrides, tmp_path / "uninterrupted.log")
     # The first time the run had got at least that far: at tens of steps a second, a step can
     # pass between two polls of the progress and never be seen on its own.
@@ -28,7 +30,7 @@ def test_killed_pipeline_resumes_to_the_uninterrupted_weights(tmp_path):
     hit, outlived = kill_and_resume(tmp_path / "killed", overrides, points, tmp_path)
     run_to_end(tmp_path / "killed", overrides, tmp_path / "final-resume.log")
 
-    assert hit == ["stage1_sft", "stage2_grpo", "stage3_sft"], (
+    assert hit == ["stage1_sft", "stage2_grpo", "stage3_sft", "stage4_grpo"], (
         "a kill missed its stage: nothing was tested there"
     )
     assert outlived == 0, "ranks outlived the SIGKILL of `hpcr1 run`'s process group"

@@ -99,6 +99,26 @@ BAD_CONFIGS = {
         ),
         "data.arithmetic.validation_size",
     ),
+    "as many generators as trainers and more": (
+        _with(stage2_grpo__rollout_ranks=2),
+        "stage2_grpo.rollout_ranks",
+    ),
+    "generators beside FSDP2 trainers": (
+        _with(stage2_grpo__rollout_ranks=1, stage2_grpo__data_parallel="fsdp2"),
+        "stage2_grpo.data_parallel",
+    ),
+    "generators with a prompt selection": (
+        _with(stage2_grpo__rollout_ranks=1, stage2_grpo__max_pass_rate=0.5),
+        "stage2_grpo.max_pass_rate",
+    ),
+    "generators of their own on verl": (
+        _with(stage2_grpo__rollout_ranks=1, stage2_grpo__engine="verl"),
+        "stage2_grpo.rollout_ranks",
+    ),
+    "prompts not shared by the trainers": (
+        _with(nproc=4, stage1_sft__global_batch_size=128, stage2_grpo__rollout_ranks=1),
+        "stage2_grpo.prompts_per_step",
+    ),
     "negative sample count": (_with(eval={"samples": -1}), "eval.samples"),
     "zero eval temperature": (_with(eval={"temperature": 0.0}), "eval.temperature"),
     "hf model without a path": (_with(model={"source": "hf"}), "model.path"),

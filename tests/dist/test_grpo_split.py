@@ -1,0 +1,125 @@
+"""stage2_grpo with its rollout on a rank of its own (rollout_ranks=1 of 2: one generator, one
+trainer; stages/grpo/split.py), against the stage on one rank that generates and trains in turn:
+at staleness 0 it computes exactly what that rank computes (the weights and the batches cross over
+unchanged); at staleness 1 each batch was sampled with the weights of the step before, which the
+importance ratio sees; the weight hand-over moves the model's parameter bytes once a step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from analysis.events import load_events
+from launch.local import torchrun_command
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.dist
+
+STEPS = 4
+SPLIT_GRPO = (
+    f"stage2_grpo.steps={STEPS}",
+    "stage2_grpo.checkpoint_every=2",
+    "stage2_grpo.prompts_per_step=4",
+    "stage2_grpo.group_size=4",
+    "stage2_grpo.max_new_tokens=24",
+    # an update large enough for one step's weights to sample differently from the next's
+    "stage2_grpo.lr=1e-3",
+    "stage2_grpo.temperature=1.5",
+    "stage2_grpo.format_reward=1.0",
+    # the old policy's log-probs from the actor: the importance ratio compares them with the rollout's
+    "stage2_grpo.old_log_probs=actor",
+    "stage2_grpo.rollout_ranks=1",
+    "stage2_grpo.data_parallel=ddp",
+    "profile.comm=true",
+)
+# What a GRPO step computed: the rollout's, the reward's and the update's.
+GRPO_RESULTS = (
+    *("reward/mean", "response_length/mean", "entropy"),
+    *("actor/kl", "actor/pg_loss", "actor/grad_norm"),
+)
+
+
+@pytest.fixture(scope="module")
+def split_runs(trained_runs, tmp_path_factory) -> dict[int, Path]:
+    """{staleness: run directory}: at staleness 0 without the correction (nothing to correct)."""
+    root = tmp_path_factory.mktemp("grpo-split")
+    runs = {}
+    for staleness, cap in ((0, "null"), (1, "2.0")):
+        runs[staleness] = root / f"staleness-{staleness}"
+        trained_runs.get().continue_into(
+            runs[staleness],
+            *SPLIT_GRPO,
+            f"stage2_grpo.max_staleness={staleness}",
+            f"stage2_grpo.importance_cap={cap}",
+            stages=("stage2_grpo",),
+        )
+    return runs
+
+
+def colocated_twin(split_run: Path, run_dir: Path) -> Path:
+    """The split run's stage 2 again on one rank that generates and trains (rollout_ranks 0), with
+    the same inputs, started as the driver starts a stage's ranks."""
+    shutil.copytree(split_run, run_dir, ignore=shutil.ignore_patterns("stage2_grpo"))
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["stage2_grpo"]["rollout_ranks"] = 0
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(torchrun_command(run_dir, "stage2_grpo", nproc=1), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (run_dir / "stage2_grpo" / "logs" / "rank-00000.log").read_text()[-3000:]
+    return run_dir
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stage2_grpo" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_at_staleness_0_the_split_computes_what_one_colocated_rank_computes(split_runs, tmp_path):
+    split = split_runs[0]
+    alone = colocated_twin(split, tmp_path / "colocated")
+    ours, reference = metrics(split), metrics(alone)
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    for key in GRPO_RESULTS:
+        assert [m[key] for m in ours] == [m[key] for m in reference], key
+    assert any(m["actor/grad_norm"] > 0 for m in ours), "no step had a gradient: nothing was compared"
+    before, after = (load_file(d / "stage2_grpo" / "final" / "model.safetensors") for d in (alone, split))
+    assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
+    # the behaviour policy is the old one: the importance ratio is 1 but for rounding
+    assert [m["rollout/weights_version"] for m in ours] == list(range(STEPS))
+    for m in ours:
+        assert m["importance/mean"] == pytest.approx(1, abs=1e-5), m
+        assert m["importance/max"] == pytest.approx(1, abs=1e-4), m
+
+
+def test_at_staleness_1_each_batch_was_sampled_with_the_weights_of_the_step_before(split_runs):
+    steps = metrics(split_runs[1])
+    # the first two batches with the initial weights, then step s's with step s - 1's
+    assert [m["rollout/weights_version"] for m in steps] == [0, *range(STEPS - 1)]
+    assert [m["rollout/staleness"] for m in steps] == [0, *[1] * (STEPS - 1)]
+    # a stale batch's tokens are less likely under the weights one update later: the ratio departs from 1
+    assert steps[0]["importance/max"] == pytest.approx(1, abs=1e-4)
+    assert max(m["importance/max"] for m in steps[1:]) > 1.01, steps
+    assert all(0 <= m["importance/capped"] < 1 for m in steps)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_the_weight_hand_over_moves_the_models_parameter_bytes_once_a_step(split_runs, staleness):
+    run = split_runs[staleness]
+    model = AutoModelForCausalLM.from_pretrained(run / "stage2_grpo" / "final", dtype=torch.float32)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    sent: dict[int, int] = {}
+    for event in load_events(run / "stage2_grpo"):
+        if event["phase"] == "weight_sync" and event["rank"] == 0:
+            assert event["op"] == "broadcast" and event["group_size"] == 2, event
+            sent[event["step"]] = sent.get(event["step"], 0) + event["bytes"]
+    # a step's weights go where a later batch is still to be sampled with them
+    assert sent == {step: parameter_bytes for step in range(1, STEPS - staleness + 1)}
