@@ -7,7 +7,7 @@ import html
 import math
 from dataclasses import dataclass
 
-from analysis.breakdown import StageSummary, Volume
+from analysis.breakdown import StageSummary, Volume, top_phase
 
 
 @dataclass
@@ -139,7 +139,38 @@ def stage_tables(s: StageSummary) -> list[Table]:
     ]
     if s.has_grpo_panels():
         tables.insert(1, grpo_panel_table(s))
+    if any(GENERATION_S in row for row in s.metrics):
+        tables.insert(1, split_table(s))
     return tables
+
+
+GENERATION_S = "rollout/generation_s"  # a GRPO stage whose rollout has ranks of its own logs it
+
+
+def split_table(s: StageSummary) -> Table:
+    """A GRPO stage with generators of its own (stages/grpo/split.py): each side's seconds a step,
+    means over the steps, and what running them side by side saved against one after the other."""
+    rows = [row for row in s.metrics if GENERATION_S in row]
+    mean = lambda key: sum(row.get(key, 0.0) for row in rows) / len(rows)  # noqa: E731
+    step, sync, wait = mean("step_time_s"), mean("phase_time/weight_sync"), mean("phase_time/rollout_wait")
+    generating, learning = mean(GENERATION_S), step - sync - wait
+    handed = [e for e in s.step_events() if e["rank"] == 0 and top_phase(e["phase"]) == "weight_sync"]
+    syncs = len({e["step"] for e in handed})
+    per_sync = sum(e["bytes"] for e in handed) / syncs if syncs else 0
+    return Table(
+        f"Generation on ranks of its own: seconds a step (mean of {len(rows)}; staleness "
+        f"{rows[-1].get('rollout/staleness', 0):.0f})",
+        ["side", "what", "time a step"],
+        [
+            ["trainers", f"weight hand-over ({size(per_sync)} a sync, {syncs} syncs)", elapsed(sync)],
+            ["trainers", "waiting for a batch (rollout_wait)", elapsed(wait)],
+            ["trainers", "learning (reward to policy_update)", elapsed(learning)],
+            ["generators", "sampling and sending a batch", elapsed(generating)],
+            ["generators", "idle (step - hand-over - sampling)", elapsed(max(step - sync - generating, 0.0))],
+            ["both", "step", elapsed(step)],
+            ["both", "saved against one side after the other", elapsed(generating + learning + sync - step)],
+        ],
+    )
 
 
 def grpo_panel_table(s: StageSummary) -> Table:

@@ -52,30 +52,32 @@ MODES = {"sync": {"rollout_ranks": 0}, "async": {"rollout_ranks": 1, "max_stalen
 
 
 def train_stage1(root: Path, overrides: list[str]) -> Path:
+    """root/stage1: a run of the embedded default with stage 1 done (`overrides` after the rest)."""
     run = root / "stage1"
     cmd = [sys.executable, "-m", "pipeline.cli", "run", str(REPO / "configs" / "tiny-cpu.yaml"),
-           "--run-dir", str(run), "--only", "stage1_sft", *STAGE1, *overrides]  # fmt: skip
+           "--run-dir", str(run), "--only", "stage1_sft", *overrides]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"stage1_sft failed:\n{proc.stderr[-3000:]}")
     return run
 
 
-def run_grpo(stage1: Path, run: Path, mode: str, steps: int) -> list[dict]:
-    """stage2_grpo in `mode` on 2 ranks from stage 1's model; its metrics.jsonl rows."""
+def run_grpo(stage1: Path, run: Path, changes: dict, seed: int | None = None) -> list[dict]:
+    """stage2_grpo with `changes` to its fields (and the run's seed) on 2 ranks, from stage 1's
+    model, launched as the driver launches a stage; its metrics.jsonl rows."""
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(stage1, run)
     config = yaml.safe_load((run / "config.yaml").read_text())
-    config["stage2_grpo"] |= {"steps": steps, "checkpoint_every": steps, **MODES[mode]}
+    config["stage2_grpo"] |= changes
+    config["seed"] = config["seed"] if seed is None else seed
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(torchrun_command(run, "stage2_grpo", nproc=2), cwd=REPO, env=env,
                           capture_output=True, text=True)  # fmt: skip
     if proc.returncode:
         log = (run / "stage2_grpo" / "logs" / "rank-00000.log").read_text()[-3000:]
-        sys.exit(f"stage2_grpo ({mode}) failed:\n{log}")
-    rows = [json.loads(line) for line in (run / "stage2_grpo" / "metrics.jsonl").read_text().splitlines()]
-    return rows[1:]  # the first step warms caches and starts both sides at once
+        sys.exit(f"stage2_grpo ({changes}) failed:\n{log}")
+    return [json.loads(line) for line in (run / "stage2_grpo" / "metrics.jsonl").read_text().splitlines()]
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -104,7 +106,7 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE for both modes' config")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="async-vs-sync-"))
-    stage1 = train_stage1(root, args.overrides)
+    stage1 = train_stage1(root, [*STAGE1, *args.overrides])
     config = yaml.safe_load((stage1 / "config.yaml").read_text())["stage2_grpo"]
     samples = config["prompts_per_step"] * config["group_size"]
     print(f"stage2_grpo: {samples} samples a step ({config['prompts_per_step']} prompts x "
@@ -113,7 +115,9 @@ def main() -> int:
     measured: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for rep in range(1, args.repetitions + 1):
         for mode in MODES:
-            p = phases(run_grpo(stage1, root / f"{mode}-{rep}", mode, args.steps), mode)
+            changes = {"steps": args.steps, "checkpoint_every": args.steps, **MODES[mode]}
+            # the first step warms caches and starts both sides at once: untimed
+            p = phases(run_grpo(stage1, root / f"{mode}-{rep}", changes)[1:], mode)
             measured[mode].append(p)
             times = "  ".join(f"{k} {v:.3f}" for k, v in p.items() if k != "step")
             rate = samples / p["step"]

@@ -2,7 +2,8 @@
 trainer; stages/grpo/split.py), against the stage on one rank that generates and trains in turn:
 at staleness 0 it computes exactly what that rank computes (the weights and the batches cross over
 unchanged); at staleness 1 each batch was sampled with the weights of the step before, which the
-importance ratio sees; the weight hand-over moves the model's parameter bytes once a step."""
+importance ratio sees; the weight hand-over moves the model's parameter bytes once a step, and the
+report sets the generator's time beside the trainer's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from analysis.events import load_events
+from analysis.tables import size
 from launch.local import torchrun_command
-from tests.conftest import REPO
+from tests.conftest import REPO, markdown_table, seconds
 
 pytestmark = pytest.mark.dist
 
@@ -123,3 +126,21 @@ def test_the_weight_hand_over_moves_the_models_parameter_bytes_once_a_step(split
             sent[event["step"]] = sent.get(event["step"], 0) + event["bytes"]
     # a step's weights go where a later batch is still to be sampled with them
     assert sent == {step: parameter_bytes for step in range(1, STEPS - staleness + 1)}
+
+
+def test_the_report_sets_the_generators_time_beside_the_trainers(split_runs, tmp_path):
+    run = split_runs[1]
+    out = tmp_path / "report"
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "report", str(run), "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True)  # fmt: skip
+    report = (out / "report.md").read_text()
+    stage1, stage2 = report.split("### stage1_sft\n", 1)[1].split("### stage2_grpo\n", 1)
+    assert "Generation on ranks of its own" not in stage1  # colocated: no sides to set apart
+    title = f"Generation on ranks of its own: seconds a step (mean of {STEPS}; staleness 1)"
+    rows = {row[1]: row[2] for row in markdown_table(stage2, title)[1:]}
+    steps = metrics(run)
+    generating = sum(m["rollout/generation_s"] for m in steps) / STEPS
+    assert seconds(rows["sampling and sending a batch"]) == pytest.approx(generating, rel=1e-3)
+    model = AutoModelForCausalLM.from_pretrained(run / "stage2_grpo" / "final", dtype=torch.float32)
+    per_sync = size(sum(p.numel() * p.element_size() for p in model.parameters()))
+    assert f"weight hand-over ({per_sync} a sync, {STEPS - 1} syncs)" in rows, rows
