@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,9 @@ from transformers import AutoModelForCausalLM
 from analysis.events import load_events
 from analysis.tables import size
 from launch.local import torchrun_command
-from tests.conftest import REPO, markdown_table, seconds
+from runtime.preemption import PREEMPTED_EXIT
+from tests.conftest import REPO, hpcr1_run, markdown_table, resumed_steps, seconds, tiny_base_of
+from tests.dist.test_rank_failure import wait_until
 
 pytestmark = pytest.mark.dist
 
@@ -144,3 +147,31 @@ def test_the_report_sets_the_generators_time_beside_the_trainers(split_runs, tmp
     model = AutoModelForCausalLM.from_pretrained(run / "stage2_grpo" / "final", dtype=torch.float32)
     per_sync = size(sum(p.numel() * p.element_size() for p in model.parameters()))
     assert f"weight hand-over ({per_sync} a sync, {STEPS - 1} syncs)" in rows, rows
+
+
+def test_usr1_stops_the_split_stage_with_the_batch_sent_ahead_and_it_resumes_there(trained_runs, tmp_path):
+    """The signal reaches both ranks at a step boundary: the checkpoint keeps the batch the generator
+    had sent for the next step, the next attempt trains on it, and every step is logged once."""
+    trained, run_dir, steps = trained_runs.get(), tmp_path / "run", 40
+    trained.copy_to(run_dir)
+    overrides = (*trained.overrides, "--only", "stage1_sft,stage2_grpo", *SPLIT_GRPO,
+                 f"stage2_grpo.steps={steps}", f"stage2_grpo.checkpoint_every={steps}")  # fmt: skip
+    again = lambda **kw: hpcr1_run(run_dir, *overrides, config=trained.config,  # noqa: E731
+                                   tiny_base=tiny_base_of(trained.path), **kw)  # fmt: skip
+    proc = again(wait=False)
+    logged = lambda: len(metrics(run_dir)) if (run_dir / "stage2_grpo" / "metrics.jsonl").exists() else 0  # noqa: E731
+    wait_until(lambda: logged() >= 5, proc, "5 steps")
+    proc.send_signal(signal.SIGUSR1)
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == PREEMPTED_EXIT, output[-3000:]
+    stopped_at = metrics(run_dir)[-1]["step"]
+    assert 5 <= stopped_at < steps
+    kept = torch.load(
+        run_dir / "stage2_grpo" / "ckpt" / f"step-{stopped_at:06d}" / "pending-batches-rank00000.pt"
+    )
+    assert list(kept) == [stopped_at]  # the next step's batch (0-based), sampled with this step's weights
+
+    again()
+    assert resumed_steps(run_dir, "stage2_grpo") == [stopped_at]
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, steps + 1))
+    assert [m["rollout/weights_version"] for m in metrics(run_dir)] == [0, *range(steps - 1)]

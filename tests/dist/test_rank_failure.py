@@ -1,6 +1,7 @@
-"""One rank of a 2-rank SFT stage fails, by an exception or by SIGKILL: every rank is gone within a
-bound (none left blocked in a collective), and the manifest and `hpcr1 status` name that rank and
-how it failed. That the next `hpcr1 run` resumes such a failed stage from its checkpoint, to the
+"""One rank of a 2-rank SFT stage fails, by an exception or by SIGKILL (also the generator of a GRPO
+stage whose rollout has a rank of its own): every rank is gone within a bound (none left blocked in
+a collective or waiting for a batch), and the manifest and `hpcr1 status` name that rank and how it
+failed. That the next `hpcr1 run` resumes such a failed stage from its checkpoint, to the
 uninterrupted run's losses and weights, is test_sft_stage.py's (beside its uninterrupted run)."""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def gone_at(pids: dict[int, int], timeout: float = 300) -> float:
     return time.time()
 
 
-def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
+def failed_run(run_dir: Path, proc: subprocess.Popen, sid: str = "stage1_sft") -> tuple[dict, str]:
     """The stage's manifest entry and `hpcr1 status` once the failed `hpcr1 run` has ended."""
     out = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == 1, out[-4000:]
@@ -74,7 +75,7 @@ def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
         text=True,
         check=True,
     ).stdout
-    return json.loads((run_dir / "manifest.json").read_text())["stages"]["stage1_sft"], status
+    return json.loads((run_dir / "manifest.json").read_text())["stages"][sid], status
 
 
 # The runs end at their fault: steps they never reach cost nothing, and so many that the kill below
@@ -82,8 +83,20 @@ def failed_run(run_dir: Path, proc: subprocess.Popen) -> tuple[dict, str]:
 UNREACHED_STEPS = "stage1_sft.steps=1000"
 
 
-def steps_logged(run_dir: Path) -> int:
-    metrics = run_dir / "stage1_sft" / "metrics.jsonl"
+# stage2_grpo alone, from the base model, its rollout on rank 1 a step ahead of the trainer on rank 0
+SPLIT_GRPO = (
+    *("--only", "stage2_grpo", "stage2_grpo.init_from=base", "stage2_grpo.steps=1000"),
+    *("stage2_grpo.rollout_ranks=1", "stage2_grpo.data_parallel=ddp", "stage2_grpo.prompts_per_step=4"),
+    *("stage2_grpo.group_size=2", "stage2_grpo.max_new_tokens=16"),
+)
+STAGES = {
+    "sft": ("stage1_sft", (UNREACHED_STEPS,), "stages.sft"),
+    "split grpo": ("stage2_grpo", SPLIT_GRPO, "stages.grpo.trainer"),
+}
+
+
+def steps_logged(run_dir: Path, sid: str = "stage1_sft") -> int:
+    metrics = run_dir / sid / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
 
@@ -105,20 +118,22 @@ def test_exception_on_rank_1_fails_the_stage_naming_it(tmp_path):
     assert "rank 1 failed first: InjectedFailure" in status, status
 
 
-def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path):
+@pytest.mark.parametrize("kind", sorted(STAGES))
+def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path, kind):
+    sid, overrides, module = STAGES[kind]
     run_dir = tmp_path / "killed"
-    proc = hpcr1_run(run_dir, UNREACHED_STEPS, wait=False)
+    proc = hpcr1_run(run_dir, *overrides, wait=False)
     pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
-    wait_until(lambda: steps_logged(run_dir) >= 1, proc, "a step logged (the ranks are training)")
+    wait_until(lambda: steps_logged(run_dir, sid) >= 1, proc, "a step logged (the ranks are training)")
     # Forked (through a parent that records how it ends) from one process that had imported the
     # stage's modules (launch/torchrun.py).
     servers = {psutil.Process(pid).parents()[1] for pid in pids.values()}
     assert len(servers) == 1
-    assert servers.pop().environ().get("HPCR1_PRELOAD") == "launch.worker,stages.sft"
+    assert servers.pop().environ().get("HPCR1_PRELOAD") == f"launch.worker,{module}"
     os.kill(pids[1], signal.SIGKILL)
     killed = time.time()
     ended = gone_at(pids)
-    entry, status = failed_run(run_dir, proc)
+    entry, status = failed_run(run_dir, proc, sid)
 
     print(f"SIGKILL of rank 1 -> all ranks gone: {ended - killed:.1f} s")
     assert ended - killed < ALL_RANKS_GONE_WITHIN_S
