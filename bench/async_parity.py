@@ -56,11 +56,11 @@ def main() -> int:
     for name, (label, changes) in VARIANTS.items():
         rows = run_grpo(stage1, root / name, changes, seed=seed)
         greedy, mean_at_k = held_out(root / name)
-        verdict = "within" if low <= greedy <= high else "outside"
+        verdict = "within" if low <= greedy <= high else "above" if greedy > high else "below"
         capped = sum(r.get("importance/capped", 0.0) for r in rows) / len(rows)
         most = max(r["importance/max"] for r in rows)
         print(f"{label}, seed {seed}: {greedy:.3f} / {mean_at_k:.3f}, {verdict} the synchronous spread; "
-              f"importance ratio max {most:.2f}, {capped:.1%} of tokens capped")  # fmt: skip
+              f"importance ratio max {most:.2f}, {capped:.3%} of tokens capped")  # fmt: skip
     return 0
 
 
