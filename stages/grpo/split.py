@@ -28,7 +28,7 @@ from runtime.phases import phase
 # The weights go in broadcasts of about this many bytes: few calls, and no second copy of the model.
 BUCKET_BYTES = 32 << 20
 PENDING = "pending-batches-rank{rank:05d}.pt"
-WEIGHTS_VERSION = "weights_version"
+STEP, WEIGHTS_VERSION = "step", "weights_version"  # the step a batch is for; its weights' step
 GENERATION_S = "generation_s"  # the generator's seconds on a batch, from sampling to sent
 
 
@@ -150,7 +150,7 @@ class StaleBatches:
         dist.recv(size, src=self.source, group=self.group)
         payload = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(payload, src=self.source, group=self.group)
-        self.by_step[_unpickled(payload).meta_info["step"]] = payload
+        self.by_step[_unpickled(payload).meta_info[STEP]] = payload
 
     def take(self, step: int) -> DataProto:
         with phase("rollout_wait"):

@@ -33,6 +33,7 @@ from stages.grpo.reward import RuleReward
 from stages.grpo.rollout import Rollout
 from stages.grpo.split import (
     GENERATION_S,
+    STEP,
     WEIGHTS_VERSION,
     BatchSender,
     RankSplit,
@@ -294,7 +295,7 @@ class Generator:
                     started = time.perf_counter()
                     batch = self.rollout.generate(prompts, sampling_seed(self.seed, later, trainer))
                     # the host's time: sending copies the batch to the host, which waits for the device
-                    batch.meta_info.update(step=later, **{WEIGHTS_VERSION: step})
+                    batch.meta_info.update({STEP: later, WEIGHTS_VERSION: step})
                     self.sender.send(batch, trainer, started)
         if step == stage.steps - 1:
             self.sender.wait()
@@ -322,6 +323,7 @@ class SplitTrainer:
     roles: Roles
     batches: StaleBatches
     groups: SplitGroups
+    generators: int
 
     def step(self, step: int) -> dict[str, float]:
         stage = self.roles.actor.stage
@@ -332,14 +334,22 @@ class SplitTrainer:
         batch = self.batches.take(step)
         if self.roles.actor.recomputes_old_log_probs:
             batch.pop(batch_keys=["entropy"])  # the actor's forward gives the step's own
-        version, generation_s = batch.meta_info[WEIGHTS_VERSION], batch.meta_info[GENERATION_S]
+        # this trainer's batch's own: taken out, as the trainers' batches are merged when balanced
+        meta = {key: batch.meta_info.pop(key) for key in (STEP, WEIGHTS_VERSION, GENERATION_S)}
         stats = learn_from(self.roles, batch, step + 1)
         return {
             **stats,
-            "rollout/weights_version": version,
-            "rollout/staleness": step - version,
-            "rollout/generation_s": generation_s,
+            "rollout/weights_version": meta[WEIGHTS_VERSION],
+            "rollout/staleness": step - meta[WEIGHTS_VERSION],
+            "rollout/generation_s": self.generator_seconds(meta[GENERATION_S]),
         }
+
+    def generator_seconds(self, seconds: float) -> float:
+        """A generator's seconds on the step's batches, the mean over generators: the trainers'
+        batches' seconds summed (a generator may serve several trainers), over the generators."""
+        total = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
+        dist.all_reduce(total, group=training_group())
+        return total.item() / self.generators
 
     def save(self, directory, trainer_state: dict) -> None:
         self.roles.save(directory, trainer_state)
@@ -378,6 +388,6 @@ def run_split(ctx: StageContext, init_dir, tokenizer, schedule: PromptSchedule) 
         rollout=None,
         reward=reward,
     )
-    trainer = SplitTrainer(roles, StaleBatches(split.source(rank), groups.batches), groups)
+    trainer = SplitTrainer(roles, StaleBatches(split.source(rank), groups.batches), groups, split.generators)
     samples = {"samples": stage.prompts_per_step * stage.group_size}
     train(ctx, trainer, init_dir, lambda step: (trainer.step(step), samples), progress_postfix)

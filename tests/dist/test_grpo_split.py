@@ -1,7 +1,7 @@
-"""stage2_grpo with its rollout on a rank of its own (rollout_ranks=1 of 2: one generator, one
-trainer; stages/grpo/split.py), against the stage on one rank that generates and trains in turn:
-at staleness 0 it computes exactly what that rank computes (the weights and the batches cross over
-unchanged); at staleness 1 each batch was sampled with the weights of the step before, which the
+"""stage2_grpo with its rollout on a rank of its own (rollout_ranks=1: one generator; stages/grpo/
+split.py), against the stage on ranks that generate and train in turn: at staleness 0 it computes
+exactly what they compute (the weights and the batches cross over unchanged, a generator serving
+two trainers); at staleness 1 each batch was sampled with the weights of the step before, which the
 importance ratio sees; the weight hand-over moves the model's parameter bytes once a step, and the
 report sets the generator's time beside the trainer's."""
 
@@ -55,31 +55,27 @@ GRPO_RESULTS = (
 
 
 @pytest.fixture(scope="module")
-def split_runs(trained_runs, tmp_path_factory) -> dict[int, Path]:
-    """{staleness: run directory}: at staleness 0 without the correction (nothing to correct)."""
+def split_runs(trained_runs, tmp_path_factory) -> dict:
+    """{staleness: run directory, "colocated": its reference}: at staleness 1 through `hpcr1 run`
+    (1 generator, 1 trainer); at staleness 0 without the correction (nothing to correct) on 3 ranks,
+    a generator serving 2 trainers; the reference on 2 ranks that generate and train."""
     root = tmp_path_factory.mktemp("grpo-split")
-    runs = {}
-    for staleness, cap in ((0, "null"), (1, "2.0")):
-        runs[staleness] = root / f"staleness-{staleness}"
-        trained_runs.get().continue_into(
-            runs[staleness],
-            *SPLIT_GRPO,
-            f"stage2_grpo.max_staleness={staleness}",
-            f"stage2_grpo.importance_cap={cap}",
-            stages=("stage2_grpo",),
-        )
+    runs = {1: root / "staleness-1"}
+    trained_runs.get().continue_into(runs[1], *SPLIT_GRPO, stages=("stage2_grpo",))
+    runs[0] = twin(runs[1], root / "staleness-0", 3, max_staleness=0, importance_cap=None)
+    runs["colocated"] = twin(runs[1], root / "colocated", 2, rollout_ranks=0)
     return runs
 
 
-def colocated_twin(split_run: Path, run_dir: Path) -> Path:
-    """The split run's stage 2 again on one rank that generates and trains (rollout_ranks 0), with
-    the same inputs, started as the driver starts a stage's ranks."""
-    shutil.copytree(split_run, run_dir, ignore=shutil.ignore_patterns("stage2_grpo"))
+def twin(run: Path, run_dir: Path, nproc: int, **changes) -> Path:
+    """`run`'s stage 2 again on `nproc` ranks with `changes` to its fields, from the same inputs,
+    started as the driver starts a stage's ranks."""
+    shutil.copytree(run, run_dir, ignore=shutil.ignore_patterns("stage2_grpo"))
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    config["stage2_grpo"]["rollout_ranks"] = 0
+    config["stage2_grpo"] |= changes
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(torchrun_command(run_dir, "stage2_grpo", nproc=1), cwd=REPO, env=env,
+    proc = subprocess.run(torchrun_command(run_dir, "stage2_grpo", nproc=nproc), cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, (run_dir / "stage2_grpo" / "logs" / "rank-00000.log").read_text()[-3000:]
     return run_dir
@@ -89,15 +85,16 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "stage2_grpo" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_at_staleness_0_the_split_computes_what_one_colocated_rank_computes(split_runs, tmp_path):
-    split = split_runs[0]
-    alone = colocated_twin(split, tmp_path / "colocated")
-    ours, reference = metrics(split), metrics(alone)
+def test_at_staleness_0_the_split_computes_what_colocated_ranks_compute(split_runs):
+    """Two trainers served by one generator against two ranks that generate and train: each
+    trainer's batches are sampled from its own seed stream, as its colocated rank's are."""
+    split, colocated = split_runs[0], split_runs["colocated"]
+    ours, reference = metrics(split), metrics(colocated)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     for key in GRPO_RESULTS:
         assert [m[key] for m in ours] == [m[key] for m in reference], key
     assert any(m["actor/grad_norm"] > 0 for m in ours), "no step had a gradient: nothing was compared"
-    before, after = (load_file(d / "stage2_grpo" / "final" / "model.safetensors") for d in (alone, split))
+    before, after = (load_file(d / "stage2_grpo" / "final" / "model.safetensors") for d in (colocated, split))
     assert before.keys() == after.keys() and all(before[k].equal(after[k]) for k in before)
     # the behaviour policy is the old one: the importance ratio is 1 but for rounding
     assert [m["rollout/weights_version"] for m in ours] == list(range(STEPS))
