@@ -58,11 +58,6 @@ def batches_generated_at(step: int, staleness: int, steps: int) -> list[int]:
     return [s for s in wanted if s < steps]
 
 
-def weights_version(step: int, staleness: int) -> int:
-    """The step whose weights sampled the batch trained at `step`."""
-    return max(0, step - staleness)
-
-
 @dataclass
 class SplitGroups:
     """The process groups of a split (every rank creates every group, in this order)."""

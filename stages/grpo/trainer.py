@@ -71,22 +71,29 @@ class Roles:
         self.reference = self.rollout = None
 
 
-def build_roles(init_dir, tokenizer, stage) -> Roles:
+def build_roles(init_dir, tokenizer, stage, with_rollout: bool = True) -> Roles:
+    """Every role, or all but the rollout (a training rank whose batches come from generators)."""
     reward = RuleReward(stage.format_reward)  # first: its scoring process starts while the models load
     return Roles(
         actor=Actor(init_dir, stage),
         reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
-        rollout=Rollout(
-            init_dir,
-            tokenizer,
-            stage.group_size,
-            stage.max_new_tokens,
-            stage.temperature,
-            stage.top_p,
-            with_log_probs=stage.old_log_probs == "rollout",
-            dtype=role_dtype(stage),
-        ),
+        rollout=build_rollout(init_dir, tokenizer, stage, stage.old_log_probs == "rollout")
+        if with_rollout
+        else None,
         reward=reward,
+    )
+
+
+def build_rollout(init_dir, tokenizer, stage, with_log_probs: bool) -> Rollout:
+    return Rollout(
+        init_dir,
+        tokenizer,
+        stage.group_size,
+        stage.max_new_tokens,
+        stage.temperature,
+        stage.top_p,
+        with_log_probs=with_log_probs,
+        dtype=role_dtype(stage),
     )
 
 
@@ -374,20 +381,13 @@ def run_split(ctx: StageContext, init_dir, tokenizer, schedule: PromptSchedule) 
     stage, rank = ctx.stage, dist.get_rank()
     split = RankSplit(dist.get_world_size(), stage.rollout_ranks)
     groups = split_groups(split)
-    if split.generates(rank):
-        rollout = Rollout(init_dir, tokenizer, stage.group_size, stage.max_new_tokens, stage.temperature,
-                          stage.top_p, with_log_probs=True, dtype=role_dtype(stage))  # fmt: skip
+    if split.generates(rank):  # the behaviour policy's log-probs go with every batch
+        rollout = build_rollout(init_dir, tokenizer, stage, with_log_probs=True)
         generator = Generator(rollout, split, groups, schedule, stage, ctx.cfg.seed)
         train(ctx, generator, init_dir, generator.step, lambda stats: {})
         return
     set_training_group(groups.training)
-    reward = RuleReward(stage.format_reward)
-    roles = Roles(
-        actor=Actor(init_dir, stage),
-        reference=Reference(init_dir, stage) if stage.kl_coef > 0 else None,
-        rollout=None,
-        reward=reward,
-    )
+    roles = build_roles(init_dir, tokenizer, stage, with_rollout=False)
     trainer = SplitTrainer(roles, StaleBatches(split.source(rank), groups.batches), groups, split.generators)
     samples = {"samples": stage.prompts_per_step * stage.group_size}
     train(ctx, trainer, init_dir, lambda step: (trainer.step(step), samples), progress_postfix)
