@@ -333,14 +333,18 @@ class GRPOStage(Section):
     rollout samples from the actor's weights, synced before every rollout, in the same dtype, so the
     two differ by rounding only; with a vLLM/SGLang rollout (engine 'verl') they may differ more."""
     rollout_ranks: NonNegativeInt = 0
-    """Ranks that only generate, the job's last ones (the native engine's): the others train, and
-    each side works at its own pace, the weights going from the trainers to the generators by a
-    broadcast after every step (phase weight_sync). 0: every rank generates, then trains (colocated).
-    The actor and the reference are replicated over the trainers (data_parallel 'ddp')."""
+    """Ranks that only generate, the job's last ones: the others train, and each side works at its
+    own pace, the weights going from the trainers to the generators by a broadcast after every step
+    (phase weight_sync). 0: every rank generates, then trains (colocated). Native engine: the actor
+    and the reference are replicated over the trainers (data_parallel 'ddp'). Engine 'verl': verl's
+    separate_async trainer with a rollout pool of these GPUs (part of a one-node job, whole nodes of
+    a bigger one), the weights handed over by the gloo checkpoint engine."""
     max_staleness: NonNegativeInt = 1
     """With rollout_ranks: the batch trained at step s was generated with the weights of step s - k
     (the initial ones for the first k steps), exactly, so that a resumed stage repeats the schedule.
-    1: generating step s + 1 overlaps training step s. 0: generation waits for every update."""
+    1: generating step s + 1 overlaps training step s. 0: generation waits for every update. On
+    verl a bound, not exact: its trajectories span at most k weight versions (older ones dropped),
+    and it generates k batches ahead; 0 is refused there."""
     importance_cap: PositiveFloat | None = 2.0
     """With rollout_ranks: each token's policy-gradient term of a stale batch is weighted by the
     ratio of the old policy's probability to the behaviour policy's (the rollout's), truncated at
@@ -735,9 +739,11 @@ def _check_grpo_stage(cfg: RunConfig, sid: str, s: GRPOStage) -> None:
     if s.group_size < 2:
         raise ConfigError(f"{sid}.group_size", "GRPO needs at least 2 responses per prompt to compare")
     if s.engine == "verl":
-        if s.rollout_ranks:
-            message = "the native engine's: verl's own split (separate_async) is not wired in yet"
-            raise ConfigError(f"{sid}.rollout_ranks", message)
+        if s.rollout_ranks and not s.max_staleness:
+            message = (
+                "verl's separate trainer always trains one step behind at least: 1 or more with rollout_ranks"
+            )
+            raise ConfigError(f"{sid}.max_staleness", message)
         _check_token_budget(sid, s)
         return  # verl splits batches over GPUs its own way: checked against verl's rules at submission
     trainers = cfg.nproc - s.rollout_ranks

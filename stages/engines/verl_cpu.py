@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -25,6 +23,7 @@ from types import ModuleType
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
+from stages.engines.verl_import_hooks import after_import, before_import
 from stages.engines.verl_platform_names import CPU_PLATFORM as PLATFORM
 from stages.engines.verl_platform_names import CPU_ROLLOUT as ROLLOUT  # stages/engines/verl_hf_rollout.py
 
@@ -173,12 +172,12 @@ def patch_verl() -> None:
     # verl's own override of the device its engine registry looks up (workers/engine/base.py:405):
     # transformer_impl.py:1143 registers the FSDP engines for cuda and npu only, their code is generic.
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"
-    _after_import("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
+    after_import("verl.workers.engine.fsdp.transformer_impl", _patch_fsdp_engine)
     # The HF rollout under the name 'hf', beside vLLM's in both of verl's registries, in the
     # processes that look it up: the replicas' (workers/rollout/replica.py:388) and the trainer-side
     # adapter's (workers/rollout/base.py:81).
-    _after_import("verl.workers.rollout.replica", _register_replica)
-    _after_import("verl.workers.rollout.base", _register_adapter)
+    after_import("verl.workers.rollout.replica", _register_replica)
+    after_import("verl.workers.rollout.base", _register_adapter)
     _patch_megatron_backend()
 
 
@@ -198,8 +197,8 @@ def _patch_megatron_backend() -> None:
     for name in TRANSFORMER_ENGINE:
         sys.modules.setdefault(name, None)  # `import` raises ImportError; find_spec answers None
     for name in BRIDGE_TE_IMPORTERS:
-        _before_import(name, _see_absent_transformer_engine)
-    _after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_engine)
+        before_import(name, _see_absent_transformer_engine)
+    after_import("verl.workers.engine.megatron.transformer_impl", _patch_megatron_engine)
 
 
 def _patch_megatron_engine(transformer_impl: ModuleType) -> None:
@@ -279,49 +278,6 @@ def _patch_fsdp_engine(transformer_impl: ModuleType) -> None:
     # place, which torch refuses once anything holds a reference to them (the profiler does).
     transformer_impl.load_fsdp_model_to_gpu = lambda model: None
     transformer_impl.offload_fsdp_model_to_cpu = lambda model, empty_cache=True: None
-
-
-def _after_import(name: str, patch) -> None:
-    """Run `patch(module)` once module `name` has executed: most processes never import it, and
-    importing it here would cost each of them seconds."""
-    if name in sys.modules:
-        patch(sys.modules[name])
-        return
-    _on_import(name, after=patch)
-
-
-def _before_import(name: str, prepare) -> None:
-    """Run `prepare(module)` on module `name`'s fresh namespace, before its code executes."""
-    if name not in sys.modules:
-        _on_import(name, before=prepare)
-
-
-def _on_import(name: str, before=None, after=None) -> None:
-    earlier_before, earlier_after = _PatchOnImport.patches.get(name, (None, None))
-    _PatchOnImport.patches[name] = (before or earlier_before, after or earlier_after)
-    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    patches: dict = {}
-
-    def find_spec(self, name, path, target=None):
-        if name not in self.patches:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        run_module = spec.loader.exec_module
-
-        def exec_module(module):
-            before, after = self.patches.pop(name)
-            if before:
-                before(module)
-            run_module(module)
-            if after:
-                after(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 patch_verl()

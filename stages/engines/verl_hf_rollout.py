@@ -7,7 +7,8 @@ as 'hf', with the same three parts:
   sampled tokens' log-probs after temperature, as vLLM's "processed_logprobs"), and over HTTP as
   an OpenAI chat-completions endpoint for standalone generation;
 - `HFServerAdapter`: the trainer-side adapter that sends the actor's weights to the server after
-  each update (verl's "naive" weight sync: every rank reads the weights, the replica's first sends).
+  each update (verl's "naive" weight sync: every rank reads the weights, the replica's first sends),
+  or, in a rollout pool of its own, the weights the trainers broadcast (verl_gloo_weights.py).
 Requests waiting together are decoded as one left-padded batch.
 """
 
@@ -24,6 +25,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import ensure_async_iterator
 
 SERVER_PREFIX = "hf_server_"
 MAX_BATCH = 64  # requests decoded together
@@ -157,6 +159,7 @@ class HFServer:
 
     def load_weights(self, state: dict[str, torch.Tensor], global_steps: int | None = None) -> None:
         self.global_steps = global_steps
+        print(f"hf rollout on {socket.gethostname()}: the weights of step {global_steps}", flush=True)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if unexpected or set(missing) - tied:
@@ -313,8 +316,12 @@ class HFServerAdapter(BaseRollout):
     async def update_weights(self, weights, wire_format: str = "named_tensors", global_steps=None, **kwargs):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"the hf rollout takes whole named tensors, not {wire_format!r}")
-        # Every rank reads the generator: producing each tensor is a collective of the FSDP ranks.
-        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in weights}
+        # Every rank reads the weights: producing each tensor is a collective of the FSDP ranks (the
+        # colocated "naive" sync), or each arrives from the trainers (a rollout pool of its own).
+        state = {
+            name: tensor.detach().to("cpu", copy=True)
+            async for name, tensor in ensure_async_iterator(weights)
+        }
         if self.sends:
             self.server = self.server or ray.get_actor(server_name(self.replica_rank))
             await self.server.load_weights.remote(state, global_steps)

@@ -39,6 +39,7 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
     """The `main_ppo` command line for stage `sid` on `nnodes` x `gpus_per_node` GPUs."""
     s: GRPOStage = getattr(cfg, sid)
     v = s.verl
+    (nnodes, gpus_per_node), rollout_pool = pools(s, nnodes, gpus_per_node)
     paths = verl_paths(run, sid)
     model = run.model_dir(s.init_from).resolve()
     overrides = {
@@ -104,9 +105,64 @@ def verl_overrides(cfg: RunConfig, run: RunDir, sid: str, nnodes: int, gpus_per_
         "trainer.experiment_name": run.wandb_run(sid)[0],
         "trainer.logger": logger_list(cfg),
         **backend_overrides(s),
+        **(separate_rollout_overrides(s, *rollout_pool) if rollout_pool else {}),
         **profiler_overrides(cfg, s, paths["traces"], nnodes, gpus_per_node),
     }
     return [f"{key}={hydra_value(value)}" for key, value in overrides.items()]
+
+
+def pools(s: GRPOStage, nnodes: int, gpus_per_node: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(nodes, GPUs a node) of the trainers, and of the rollout pool of their own (None: colocated):
+    the job's last `rollout_ranks` GPUs, part of its one node or whole nodes."""
+    r = s.rollout_ranks
+    if not r:
+        return (nnodes, gpus_per_node), None
+    if nnodes == 1:
+        return (1, gpus_per_node - r), (1, r)
+    return (nnodes - r // gpus_per_node, gpus_per_node), (r // gpus_per_node, gpus_per_node)
+
+
+def check_pools(s: GRPOStage, sid: str, nnodes: int, gpus_per_node: int) -> None:
+    """A rollout pool that verl's separate trainer can place: GPUs left to train on, and whole nodes
+    once the job has several (its resource pools are a count of GPUs on each of a number of nodes)."""
+    r, gpus = s.rollout_ranks, nnodes * gpus_per_node
+    if not r:
+        return
+    if r >= gpus:
+        raise ConfigError(f"{sid}.rollout_ranks", f"{r} of the job's {gpus} GPUs leaves none to train on")
+    if nnodes > 1 and r % gpus_per_node:
+        message = f"{r} is not whole nodes of {gpus_per_node} GPUs, which a job of {nnodes} nodes needs"
+        raise ConfigError(f"{sid}.rollout_ranks", message)
+
+
+def separate_rollout_overrides(s: GRPOStage, nnodes: int, gpus_per_node: int) -> dict:
+    """verl's own split (trainer.v1 separate_async): the rollout on a pool of `nnodes` x
+    `gpus_per_node` GPUs, the weights handed over after every step by the gloo checkpoint engine
+    (verl_gloo_weights.py). A step's batch is verl's parameter_sync_step mini-batches, trained with
+    one set of old log-probabilities; a trajectory spans at most max_staleness weight versions
+    (verl drops older ones): a bound, where the native engine's staleness is exact."""
+    from stages.engines import verl_gloo_weights
+
+    rollout = "actor_rollout_ref.rollout"
+    separate = "trainer.v1.separate_async"
+    overrides = {
+        "trainer.v1.trainer_mode": "separate_async",
+        "actor_rollout_ref.hybrid_engine": False,
+        f"{rollout}.nnodes": nnodes,
+        f"{rollout}.n_gpus_per_node": gpus_per_node,
+        f"{rollout}.checkpoint_engine.backend": verl_gloo_weights.BACKEND,
+        f"{rollout}.checkpoint_engine.custom_backend_module": verl_gloo_weights.__name__,
+        f"{separate}.parameter_sync_step": s.mini_batches,
+        f"{separate}.num_warmup_batches": s.max_staleness,
+        "trainer.v1.sampler.max_off_policy_threshold": s.max_staleness,
+    }
+    if s.importance_cap is not None and s.old_log_probs == "actor":
+        overrides |= {
+            "algorithm.rollout_correction.rollout_is": "token",
+            "algorithm.rollout_correction.rollout_is_threshold": s.importance_cap,
+            f"{rollout}.calculate_log_probs": True,
+        }
+    return overrides
 
 
 def backend_overrides(s: GRPOStage) -> dict:
@@ -233,7 +289,7 @@ _MEGATRON_ON_CPU = {
 
 
 # What every verl process imports on start (verl/__init__.py), on every platform
-ALWAYS_LOADED = "stages.engines.verl_timeouts"
+ALWAYS_LOADED = "stages.engines.verl_timeouts,stages.engines.verl_fixes"
 
 
 def verl_process_env(platform: str) -> dict[str, str]:
@@ -340,7 +396,9 @@ def check_verl_stage(
 ) -> list[str]:
     """The stage's overrides after verl has accepted them; otherwise a ConfigError naming our field."""
     s: GRPOStage = getattr(cfg, sid)
-    check_rollout_gpus(sid, s.verl.rollout_tp, nnodes, gpus_per_node)
+    check_pools(s, sid, nnodes, gpus_per_node)
+    trainers, rollout_pool = pools(s, nnodes, gpus_per_node)
+    check_rollout_gpus(sid, s.verl.rollout_tp, *(rollout_pool or trainers))
     outside = [rank for rank in s.verl.profile_ranks or [] if rank >= nnodes * gpus_per_node]
     if outside:
         raise ConfigError(
@@ -354,7 +412,7 @@ def check_verl_stage(
         message = " ".join(str(e).split()) or type(e).__name__
         field = next((ours for theirs, ours in _FIELD_OF if theirs in message), "engine")
         raise ConfigError(f"{sid}.{field}", f"verl rejects the stage's config: {message}") from None
-    _check_batch_split(s, sid, nnodes * gpus_per_node)
+    _check_batch_split(s, sid, trainers[0] * trainers[1])
     return overrides
 
 

@@ -111,9 +111,9 @@ BAD_CONFIGS = {
         _with(stage2_grpo__rollout_ranks=1, stage2_grpo__max_pass_rate=0.5),
         "stage2_grpo.max_pass_rate",
     ),
-    "generators of their own on verl": (
-        _with(stage2_grpo__rollout_ranks=1, stage2_grpo__engine="verl"),
-        "stage2_grpo.rollout_ranks",
+    "generators of their own on verl, synchronous": (
+        _with(stage2_grpo__rollout_ranks=1, stage2_grpo__engine="verl", stage2_grpo__max_staleness=0),
+        "stage2_grpo.max_staleness",
     ),
     "prompts not shared by the trainers": (
         _with(nproc=4, stage1_sft__global_batch_size=128, stage2_grpo__rollout_ranks=1),

@@ -136,6 +136,57 @@ def test_old_log_probs_from_the_rollout_is_verls_bypass_mode_with_rollout_log_pr
     assert composed.actor_rollout_ref.rollout.calculate_log_probs is True
 
 
+# the 70B's megatron layout (tp x pp = 32) on the trainers left; verl's FSDP on one node
+@pytest.mark.parametrize(
+    "nodes, rollout_ranks, backend, trainers, rollout",
+    [((32, 4), 96, "megatron", (8, 4), (24, 4)), ((1, 4), 2, "fsdp", (1, 2), (1, 2))],
+)
+def test_rollout_ranks_on_verl_is_its_separate_async_trainer_on_a_pool_of_its_own(
+    tmp_path, nodes, rollout_ranks, backend, trainers, rollout
+):
+    split = (f"stage2_grpo.rollout_ranks={rollout_ranks}", "stage2_grpo.max_staleness=2")
+    cfg = config_70b(*split, f"stage2_grpo.verl.backend={backend}", "stage2_grpo.verl.rollout_tp=1")
+    composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", *nodes))
+    arr, v1, ours = composed.actor_rollout_ref, composed.trainer.v1, cfg.stage2_grpo
+    assert v1.trainer_mode == "separate_async" and arr.hybrid_engine is False
+    assert (composed.trainer.nnodes, composed.trainer.n_gpus_per_node) == trainers
+    assert (arr.rollout.nnodes, arr.rollout.n_gpus_per_node) == rollout
+    assert arr.rollout.checkpoint_engine.backend == "gloo"  # verl's own asserts refuse 'naive'
+    # verl's assertion: a step's batch is parameter_sync_step mini-batches
+    assert (
+        composed.data.train_batch_size
+        == v1.separate_async.parameter_sync_step * arr.actor.ppo_mini_batch_size
+    )
+    assert v1.separate_async.num_warmup_batches == v1.sampler.max_off_policy_threshold == 2
+    correction = composed.algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold) == ("token", ours.importance_cap)
+    assert arr.rollout.calculate_log_probs is True
+    colocated = compose_verl_config(check_verl_stage(config_70b(), RunDir(tmp_path), "stage2_grpo", 32, 4))
+    assert colocated.trainer.v1.trainer_mode == "sync" and colocated.actor_rollout_ref.hybrid_engine is True
+    assert colocated.actor_rollout_ref.rollout.checkpoint_engine.backend == "naive"
+
+
+@pytest.mark.parametrize(
+    "overrides, nodes, field, words",
+    [
+        (["stage2_grpo.rollout_ranks=2"], (32, 4), "stage2_grpo.rollout_ranks", "not whole nodes of 4 GPUs"),
+        (["stage2_grpo.rollout_ranks=4"], (1, 4), "stage2_grpo.rollout_ranks", "leaves none to train on"),
+    ],
+)
+def test_a_rollout_pool_verl_cannot_place_names_rollout_ranks(tmp_path, overrides, nodes, field, words):
+    with pytest.raises(ConfigError) as e:
+        check_verl_stage(
+            config_70b(*overrides, "stage2_grpo.verl.rollout_tp=1"), RunDir(tmp_path), "stage2_grpo", *nodes
+        )
+    assert e.value.field == field and words in str(e.value), str(e.value)
+
+
+def test_a_synchronous_split_on_verl_is_refused_naming_max_staleness():
+    with pytest.raises(ConfigError) as e:
+        config_70b("stage2_grpo.rollout_ranks=4", "stage2_grpo.max_staleness=0")
+    assert e.value.field == "stage2_grpo.max_staleness"
+
+
 def test_megatron_backend_selects_verls_megatron_actor_with_our_layout(tmp_path):
     cfg = config_70b("stage2_grpo.verl.backend=megatron", "stage2_grpo.verl.megatron_tp=4")
     composed = compose_verl_config(check_verl_stage(cfg, RunDir(tmp_path), "stage2_grpo", 32, 4))
@@ -467,7 +518,7 @@ def test_what_verls_actors_read_reaches_them_through_the_ray_jobs_runtime_env(ve
     config = compose_verl_config([a for a in args[2:]])
     assert (
         config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
-        == "stages.engines.verl_timeouts,stages.engines.verl_cpu"
+        == "stages.engines.verl_timeouts,stages.engines.verl_fixes,stages.engines.verl_cpu"
     )
     assert config.actor_rollout_ref.rollout.name == "hf" and not config.trainer.val_before_train
 
