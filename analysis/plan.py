@@ -54,6 +54,18 @@ FITS, CAVEAT, NO_FIT = "fits", "fits with caveat", "does not fit"
 
 
 @dataclass(frozen=True)
+class Speed:
+    """Datasheet rates, per second: what the split planner's roofline estimates use."""
+
+    flops: float
+    """Dense bf16 FLOP/s of one GPU."""
+    memory_bandwidth: float
+    """Bytes/s of one GPU's memory."""
+    nic: float
+    """Bytes/s of one network interface."""
+
+
+@dataclass(frozen=True)
 class Machine:
     """What one node offers, from the cluster profile."""
 
@@ -62,6 +74,8 @@ class Machine:
     gpu_bytes: float
     gpus_per_node: int
     host_bytes: float
+    speed: Speed | None = None
+    """The GPU's and the network's rates, where the profile gives them."""
 
     @classmethod
     def from_profile(cls, profile: ClusterProfile, gpu_memory_gib: float | None = None) -> Machine:
@@ -75,7 +89,11 @@ class Machine:
         gpu_name = profile.gpu_name or "GPU"
         if gpu_memory_gib:  # say so: the profile's GPU name may give another memory size
             gpu_name += f" (taken as {gpu_memory_gib:g} GiB each)"
-        return cls(profile.name, gpu_name, gib * GIB, profile.gpus_per_node, profile.host_memory_gib * GIB)
+        rates = (profile.gpu_bf16_tflops, profile.gpu_memory_bandwidth_gbs, profile.nic_gbs)
+        speed = Speed(rates[0] * 1e12, rates[1] * 1e9, rates[2] * 1e9) if all(rates) else None
+        return cls(
+            profile.name, gpu_name, gib * GIB, profile.gpus_per_node, profile.host_memory_gib * GIB, speed
+        )
 
     def nodes(self, gpus: int) -> int:
         return -(-gpus // self.gpus_per_node)

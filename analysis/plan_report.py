@@ -21,6 +21,7 @@ from analysis.plan import (
     setting_lines,
 )
 from analysis.plan_search import ORDER, REFERENCES
+from analysis.plan_split import SPLIT_ASSUMPTIONS, SplitPlan
 from analysis.tables import Table
 
 SEARCH_ORDER = (
@@ -161,19 +162,70 @@ def stage_parts(p: StagePlan, machine: Machine, markdown: bool) -> list[str]:
     return [table.markdown() if markdown else table.text(), *summary, heading, *lines, ""]
 
 
-def render_text(name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan]) -> str:
+def split_table(stage_id: str, sp: SplitPlan) -> Table:
+    """Each split of the stage's GPUs: each side's GB a GPU and verdict, and the estimated seconds."""
+    rows = []
+    for o in sp.options:
+        t = o.timing
+        times = (
+            [f"{t.generation:.1f}", f"{t.training:.1f}", f"{t.handover:.1f}", f"{t.split_step:.1f}"]
+            if t
+            else ["-"] * 4
+        )
+        rows.append([
+            str(o.rollout_gpus), str(sp.gpus - o.rollout_gpus),
+            gb(o.training.footprint.gpu_bytes()), verdict_and_refusal(o.training),
+            gb(o.generation.footprint.gpu_bytes()), verdict_and_refusal(o.generation), *times,
+        ])  # fmt: skip
+    header = ["generating GPUs", "training GPUs", "training GB/GPU", "training verdict"]
+    header += [
+        "generating GB/GPU",
+        "generating verdict",
+        "generation s",
+        "training s",
+        "hand-over s",
+        "step s",
+    ]
+    return Table(
+        f"{stage_id}: its {sp.gpus} GPUs split between generation and training (rollout_ranks)", header, rows
+    )
+
+
+def verdict_and_refusal(o: Option) -> str:
+    refused = o.footprint.refusals
+    return f"{o.verdict_text}: {refused[0]}" if o.verdict == NO_FIT and refused else o.verdict_text
+
+
+def split_parts(stage_id: str, sp: SplitPlan | None, markdown: bool) -> list[str]:
+    if sp is None:
+        return []
+    chosen = f"rollout_ranks={sp.chosen.rollout_gpus}" if sp.chosen else "colocated (rollout_ranks=0)"
+    line = f"{stage_id} split: {chosen}: {sp.why}"
+    table = split_table(stage_id, sp)
+    return [table.markdown() if markdown else table.text(), f"{line}  " if markdown else line, ""]
+
+
+def render_text(
+    name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan], splits: dict | None = None
+) -> str:
     parts = ["\n".join(header_lines(name, shape, machine)), ""]
     for p in plans:
-        parts += stage_parts(p, machine, markdown=False)
+        parts += stage_parts(p, machine, markdown=False) + split_parts(
+            p.stage_id, (splits or {}).get(p.stage_id), False
+        )
     parts += [f"{SEARCH_ORDER}:", *order_lines(plans), ""]
-    parts += ["Assumptions:", *(f"- {a}" for a in ASSUMPTIONS)]
+    parts += ["Assumptions:", *(f"- {a}" for a in (*ASSUMPTIONS, *SPLIT_ASSUMPTIONS))]
     return "\n".join(parts) + "\n"
 
 
-def render_markdown(name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan]) -> str:
+def render_markdown(
+    name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan], splits: dict | None = None
+) -> str:
     parts = [f"# Memory plan: {name}", "", *(f"{line}  " for line in header_lines(name, shape, machine)), ""]
     for p in plans:
-        parts += stage_parts(p, machine, markdown=True)
+        parts += stage_parts(p, machine, markdown=True) + split_parts(
+            p.stage_id, (splits or {}).get(p.stage_id), True
+        )
     parts += [
         "## Search order",
         "",
@@ -182,7 +234,7 @@ def render_markdown(name: str, shape: LlamaShape, machine: Machine, plans: list[
         *(f"    {line}" for line in order_lines(plans)),
         "",
     ]
-    parts += ["## Assumptions", "", *(f"- {a}" for a in ASSUMPTIONS)]
+    parts += ["## Assumptions", "", *(f"- {a}" for a in (*ASSUMPTIONS, *SPLIT_ASSUMPTIONS))]
     return "\n".join(parts) + "\n"
 
 
@@ -227,7 +279,30 @@ def stage_json(p: StagePlan) -> dict:
     }
 
 
-def plan_json(name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan]) -> dict:
+def split_json(sp: SplitPlan) -> dict:
+    return {
+        "gpus": sp.gpus,
+        "chosen_rollout_ranks": sp.chosen.rollout_gpus if sp.chosen else 0,
+        "why": sp.why,
+        "colocated_step_s": sp.colocated.generation + sp.colocated.training if sp.colocated else None,
+        "options": [
+            {
+                "rollout_ranks": o.rollout_gpus,
+                "training": {"gpu_bytes": o.training.footprint.gpu_bytes(), "verdict": o.training.verdict},
+                "generation": {
+                    "gpu_bytes": o.generation.footprint.gpu_bytes(),
+                    "verdict": o.generation.verdict,
+                },
+                "timing_s": vars(o.timing) | {"step": o.timing.split_step} if o.timing else None,
+            }
+            for o in sp.options
+        ],
+    }
+
+
+def plan_json(
+    name: str, shape: LlamaShape, machine: Machine, plans: list[StagePlan], splits: dict | None = None
+) -> dict:
     nproc = plans[0].configured.layout.gpus if plans else None
     lines, left = overrides(plans, nproc) if plans else ([], [])
     return {
@@ -243,8 +318,9 @@ def plan_json(name: str, shape: LlamaShape, machine: Machine, plans: list[StageP
             "usable_host_bytes": machine.usable_host,
         },
         "stages": {p.stage_id: stage_json(p) for p in plans},
+        "splits": {sid: split_json(sp) for sid, sp in (splits or {}).items()},
         "overrides": {"nproc": nproc, "lines": lines, "left_as_configured": left},
         "search_order": {key: [vars(r) for r in rules] for key, rules in ORDER.items()},
         "references": REFERENCES,
-        "assumptions": list(ASSUMPTIONS),
+        "assumptions": [*ASSUMPTIONS, *SPLIT_ASSUMPTIONS],
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PositiveFloat, ValidationError, field_validator, model_validator
 
 from core.config import ConfigError, Section
 
@@ -126,6 +126,14 @@ class ClusterProfile(Section):
     """Memory of one GPU in GiB, as nvidia-smi reports it (what `hpcr1 plan` fits into)."""
     host_memory_gib: float = 0
     """Host (CPU) memory of one node in GiB."""
+    gpu_bf16_tflops: PositiveFloat | None = None
+    """Dense bf16 peak of one GPU in TFLOP/s, from its datasheet: with the next two, `hpcr1 plan`
+    estimates a GRPO step split between generating and training GPUs (analysis/plan_split.py)."""
+    gpu_memory_bandwidth_gbs: PositiveFloat | None = None
+    """Memory bandwidth of one GPU in GB/s, from its datasheet (decoding reads every weight a token)."""
+    nic_gbs: PositiveFloat | None = None
+    """Bandwidth of one network interface in GB/s: what the weight hand-over to a rollout pool of
+    its own crosses, one sender to its receivers."""
     ranks_per_node: int = 2
     """Ranks per node when gpus_per_node is 0."""
     cpus_per_task: int = 1

@@ -339,6 +339,7 @@ def cmd_plan(args) -> int:
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, overrides, parse_gpus, plan
     from analysis.plan_search import with_settings
+    from analysis.plan_split import plan_splits
     from core.atomic import atomic_write_text
     from core.cluster import load_profile
     from core.config import ConfigError, load_config
@@ -355,12 +356,13 @@ def cmd_plan(args) -> int:
     # 'auto' layouts: the planner searches them; as "configured", the smallest (what it tries first)
     cfg = with_settings(cfg, smallest_layouts(cfg, shape, cfg.nproc, profile.verl_gpus_per_node()))
     plans = plan(cfg, shape, machine, gpus, args.prompt_tokens)
+    splits = plan_splits(cfg, shape, machine, args.prompt_tokens)
     out = Path(args.out or f"plan-{cfg.name}.md")
-    atomic_write_text(out, plan_report.render_markdown(cfg.name, shape, machine, plans))
+    atomic_write_text(out, plan_report.render_markdown(cfg.name, shape, machine, plans, splits))
     if args.json:
-        print(json.dumps(plan_report.plan_json(cfg.name, shape, machine, plans), indent=2))
+        print(json.dumps(plan_report.plan_json(cfg.name, shape, machine, plans, splits), indent=2))
     else:
-        print(plan_report.render_text(cfg.name, shape, machine, plans), end="")
+        print(plan_report.render_text(cfg.name, shape, machine, plans, splits), end="")
     print(f"markdown: {out}", file=sys.stderr)
     if args.write_overrides:
         lines, left = overrides(plans, cfg.nproc)
