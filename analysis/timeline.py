@@ -17,6 +17,10 @@ Threads of a process:
   its last is outside it, and a phase that made no call (rollout) is a gap.
 - "steps (metrics.jsonl)", on the first rank only: each step's whole wall time, from metrics.jsonl's
   t_start and step_time_s (rank 0 writes it), where a stage logs them.
+- "generation (metrics.jsonl)", on the first rank only, where the rollout has ranks of its own:
+  the sampling of each step's batch, from its first batch's start (rollout/generated_at) for a
+  generator's seconds on them (rollout/generation_s). With max_staleness k the batch of step s + k
+  is sampled while step s trains: the two tracks show the overlap.
 - "collectives": each recorded call a complete ("X") slice named by its op. Slices of one thread
   must nest, so calls that overlap (async calls in flight, a call from another thread) go on more
   threads: "collectives 2", ..., and async calls on "async collectives", ... of their own.
@@ -43,7 +47,7 @@ from analysis.breakdown import StageSummary
 from analysis.events import arrival, beside_caller
 
 LARGE_STAGE = 200_000  # calls; the embedded default's five stages record about 20,000
-PHASES_TID, STEPS_TID = 1, 2  # then the collectives' threads
+PHASES_TID, STEPS_TID, GENERATION_TID = 1, 2, 3  # then the collectives' threads
 FLOW_OFFSET_NS = 1000
 
 
@@ -132,6 +136,15 @@ def logged_steps(s: StageSummary) -> list[tuple[int, float, float]]:
     )
 
 
+def logged_generation(s: StageSummary) -> list[tuple[int, float, float]]:
+    """(step, start, end) of the sampling of each step's batch, where the rollout has its own ranks."""
+    rows = [row for row in s.metrics if "rollout/generated_at" in row]
+    return sorted(
+        (row["step"], start := row["rollout/generated_at"], start + row["rollout/generation_s"])
+        for row in rows
+    )
+
+
 def step_spans(steps: list[tuple[int, float, float]], origin: float) -> list[tuple[int, int, int]]:
     """(step, start ns, end ns), each ended by the next step's start at the latest: a step redone by
     a later attempt is logged twice, and slices of one thread must not overlap."""
@@ -155,7 +168,9 @@ class RankTrack:
     """One (stage, rank) process: its metadata, phase ranges, steps and collective slices; remembers
     where each call's slice went, for the flows."""
 
-    def __init__(self, pid: int, name: str, events: list[dict], steps: list[tuple], origin: float):
+    def __init__(
+        self, pid: int, name: str, events: list[dict], steps: list[tuple], origin: float, generation=()
+    ):
         self.pid, self.trace = pid, [metadata("process_name", pid, 0, {"name": name})]
         self.trace.append(metadata("process_sort_index", pid, 0, {"sort_index": pid}))
         self.thread(PHASES_TID, "phases")
@@ -166,8 +181,16 @@ class RankTrack:
                 complete(f"step {step}", "step", (pid, STEPS_TID), *span, {"step": step})
                 for step, *span in step_spans(steps, origin)
             ]
+        if generation:
+            self.thread(GENERATION_TID, "generation (metrics.jsonl)")
+            self.trace += [
+                complete(
+                    f"generation of step {step}", "generation", (pid, GENERATION_TID), *span, {"step": step}
+                )
+                for step, *span in step_spans(generation, origin)
+            ]
         self.where: dict[int, tuple[int, int, int]] = {}  # id(event) -> (tid, start ns, end ns)
-        tid = STEPS_TID + 1
+        tid = GENERATION_TID + 1
         for kind, is_async in (("collectives", False), ("async collectives", True)):
             tid = self.collectives([e for e in events if beside_caller(e) == is_async], kind, tid, origin)
 
@@ -217,7 +240,8 @@ def flows(s: StageSummary, tracks: dict[int, RankTrack], first_id: int) -> list[
 def timeline(stages: list[StageSummary], run: str) -> dict:
     """The trace of a run's stages (pipeline order) as the JSON Object Format's dict."""
     origin = min(
-        [e["t_start"] for s in stages for e in s.events] + [t for s in stages for _, t, _ in logged_steps(s)],
+        [e["t_start"] for s in stages for e in s.events]
+        + [t for s in stages for _, t, _ in logged_steps(s) + logged_generation(s)],
         default=0.0,
     )
     trace, pid, next_flow = [], 1, 1
@@ -225,8 +249,9 @@ def timeline(stages: list[StageSummary], run: str) -> dict:
         tracks = {}
         for rank in s.ranks:
             mine = sorted((e for e in s.events if e["rank"] == rank), key=lambda e: e["t_start"])
-            steps = logged_steps(s) if rank == s.ranks[0] else []
-            tracks[rank] = RankTrack(pid, f"{s.name}: rank {rank}", mine, steps, origin)
+            first = rank == s.ranks[0]
+            steps, generation = (logged_steps(s), logged_generation(s)) if first else ([], [])
+            tracks[rank] = RankTrack(pid, f"{s.name}: rank {rank}", mine, steps, origin, generation)
             trace += tracks[rank].trace
             pid += 1
         arrows = flows(s, tracks, next_flow)

@@ -30,6 +30,7 @@ BUCKET_BYTES = 32 << 20
 PENDING = "pending-batches-rank{rank:05d}.pt"
 STEP, WEIGHTS_VERSION = "step", "weights_version"  # the step a batch is for; its weights' step
 GENERATION_S = "generation_s"  # the generator's seconds on a batch, from sampling to sent
+GENERATED_AT = "generated_at"  # when its sampling began (Unix time, the clock metrics' t_start is on)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,8 @@ class BatchSender:
     def send(self, batch: DataProto, trainer: int, started: float) -> None:
         """`batch` to `trainer`, stamped with the seconds since `started` (when its sampling began)."""
         batch = batch.to("cpu")
-        batch.meta_info[GENERATION_S] = time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        batch.meta_info.update({GENERATION_S: seconds, GENERATED_AT: time.time() - seconds})
         payload = torch.frombuffer(bytearray(pickle.dumps(batch)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         works = [dist.isend(t, dst=trainer, group=self.group) for t in (size, payload)]

@@ -32,6 +32,7 @@ from stages.grpo.reference import Reference
 from stages.grpo.reward import RuleReward
 from stages.grpo.rollout import Rollout
 from stages.grpo.split import (
+    GENERATED_AT,
     GENERATION_S,
     STEP,
     WEIGHTS_VERSION,
@@ -342,13 +343,14 @@ class SplitTrainer:
         if self.roles.actor.recomputes_old_log_probs:
             batch.pop(batch_keys=["entropy"])  # the actor's forward gives the step's own
         # this trainer's batch's own: taken out, as the trainers' batches are merged when balanced
-        meta = {key: batch.meta_info.pop(key) for key in (STEP, WEIGHTS_VERSION, GENERATION_S)}
+        meta = {key: batch.meta_info.pop(key) for key in (STEP, WEIGHTS_VERSION, GENERATION_S, GENERATED_AT)}
         stats = learn_from(self.roles, batch, step + 1)
         return {
             **stats,
             "rollout/weights_version": meta[WEIGHTS_VERSION],
             "rollout/staleness": step - meta[WEIGHTS_VERSION],
             "rollout/generation_s": self.generator_seconds(meta[GENERATION_S]),
+            "rollout/generated_at": self.first_start(meta[GENERATED_AT]),
         }
 
     def generator_seconds(self, seconds: float) -> float:
@@ -357,6 +359,12 @@ class SplitTrainer:
         total = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
         dist.all_reduce(total, group=training_group())
         return total.item() / self.generators
+
+    def first_start(self, started_at: float) -> float:
+        """When the first of the step's batches began to be sampled (the timeline's generation)."""
+        first = torch.tensor([started_at], dtype=torch.float64, device=rank_device())
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=training_group())
+        return first.item()
 
     def save(self, directory, trainer_state: dict) -> None:
         self.roles.save(directory, trainer_state)

@@ -3,7 +3,7 @@ split.py), against the stage on ranks that generate and train in turn: at stalen
 exactly what they compute (the weights and the batches cross over unchanged, a generator serving
 two trainers); at staleness 1 each batch was sampled with the weights of the step before, which the
 importance ratio sees; the weight hand-over moves the model's parameter bytes once a step, and the
-report sets the generator's time beside the trainer's."""
+report sets the generator's time beside the trainer's, its timeline the sampling under the training."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from analysis.events import load_events
 from analysis.tables import size
+from analysis.timeline import GENERATION_TID, STEPS_TID
 from launch.local import torchrun_command
 from runtime.preemption import PREEMPTED_EXIT
 from tests.conftest import REPO, hpcr1_run, markdown_table, resumed_steps, seconds, tiny_base_of
@@ -144,6 +145,15 @@ def test_the_report_sets_the_generators_time_beside_the_trainers(split_runs, tmp
     model = AutoModelForCausalLM.from_pretrained(run / "stage2_grpo" / "final", dtype=torch.float32)
     per_sync = size(sum(p.numel() * p.element_size() for p in model.parameters()))
     assert f"weight hand-over ({per_sync} a sync, {STEPS - 1} syncs)" in rows, rows
+    # the timeline: the sampling of step n's batch begins while step n - 1 trains (staleness 1)
+    trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    pid = next(e["pid"] for e in trace if e.get("args", {}).get("name") == "stage2_grpo: rank 0")
+    on = lambda tid: {e["args"]["step"]: e for e in trace if (e["pid"], e["tid"], e["ph"]) == (pid, tid, "X")}  # noqa: E731
+    trained, sampled = on(STEPS_TID), on(GENERATION_TID)  # each step's wall time (metrics.jsonl)
+    assert sorted(sampled) == sorted(trained) == list(range(1, STEPS + 1))
+    for n in range(2, STEPS + 1):
+        before = trained[n - 1]
+        assert before["ts"] < sampled[n]["ts"] < before["ts"] + before["dur"], (n, before, sampled[n])
 
 
 def test_usr1_stops_the_split_stage_with_the_batch_sent_ahead_and_it_resumes_there(trained_runs, tmp_path):
