@@ -6,9 +6,10 @@ PIP     := .venv/bin/pip
 CONFIG  ?= configs/tiny-cpu.yaml
 PYTEST_ARGS ?=
 # The tests run in TEST_WORKERS pytest-xdist workers (tests/conftest.py keeps a module, or the modules
-# sharing a service, in one; the longest go first). 2 on this 2-vCPU machine kind: 44 min of pytest
-# where one process took 58.5 (bench/RESULTS.md). TEST_WORKERS=1: one process, in pytest's own order.
-TEST_WORKERS ?= 2
+# sharing a service, in one; the longest go first). 3 on this 2-vCPU machine kind: two of them spend
+# most of the run waiting on Slurm jobs, whose Ray and ranks leave a core idle (bench/RESULTS.md).
+# TEST_WORKERS=1: one process, in pytest's own order.
+TEST_WORKERS ?= 3
 XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
