@@ -505,4 +505,6 @@ def finish_verl_stage(cfg, run: RunDir, sid: str) -> None:
     if paths["traces"].is_dir():
         n = traces_to_events(paths["traces"], run.profile(sid), sid)
         print(f"{sid}: {n} communication events from verl's torch-profiler traces", flush=True)
-    write_metrics(verl_metric_rows(paths["metrics"]), run.metrics(sid))
+    write_metrics(
+        verl_metric_rows(paths["metrics"]), run.metrics(sid), separate_rollout=stage.rollout_ranks > 0
+    )

@@ -187,15 +187,17 @@ def verl_metric_rows(folder: Path) -> list[dict]:
     return sorted(by_step.values(), key=lambda row: row["step"])
 
 
-def write_metrics(rows: list[dict], metrics: Path) -> None:
+def write_metrics(rows: list[dict], metrics: Path, separate_rollout: bool = False) -> None:
     """verl's file-logger rows as our metrics.jsonl: its own keys, plus the step's phase wall times
-    under our names (phase_time/<phase>, what `hpcr1 report` reads)."""
+    under our names (phase_time/<phase>, what `hpcr1 report` reads). With a rollout pool of its own
+    (separate_async) verl's `gen` timer is the trainers' wait for sampled batches: rollout_wait."""
+    timers = VERL_TIMERS | ({"gen": "rollout_wait"} if separate_rollout else {})
     out = []
     for row in rows:
         data = row["data"]
         phases = {
             f"phase_time/{ours}": data[f"timing_s/{theirs}"]
-            for theirs, ours in VERL_TIMERS.items()
+            for theirs, ours in timers.items()
             if f"timing_s/{theirs}" in data
         }
         out.append({"step": row["step"], **data, **phases})

@@ -75,5 +75,10 @@ def test_verls_async_trainer_trains_on_one_node_and_generates_on_the_other(multi
     metrics = [json.loads(line) for line in (run / sid / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in metrics] == list(range(1, STEPS + 1))
     assert all(row["phase_time/weight_sync"] > 0 for row in metrics), metrics
+    # verl's `gen` timer is the trainer's wait for sampled batches here, not their sampling
+    assert all(
+        row["phase_time/rollout_wait"] == row["timing_s/gen"] and "phase_time/rollout" not in row
+        for row in metrics
+    )
     # a batch trained at most max_staleness (1) versions after the weights that generated it
     assert all(row["training/off_policy/trajectory_staleness/max"] <= 1 for row in metrics), metrics

@@ -461,6 +461,11 @@ def test_verls_step_timers_become_our_phase_times(tmp_path):
     log_attempt(tmp_path / "verl_metrics", [(s, {"timing_s/gen": 2.0 * s, **timers}) for s in (1, 2)])
     write_metrics(verl_metric_rows(tmp_path / "verl_metrics"), tmp_path / "metrics.jsonl")
     assert load_phase_times(tmp_path) == {"rollout": 6.0, "policy_update": 2.0}
+    # separate_async: the trainers wait for batches a pool of its own samples
+    write_metrics(
+        verl_metric_rows(tmp_path / "verl_metrics"), tmp_path / "metrics.jsonl", separate_rollout=True
+    )
+    assert load_phase_times(tmp_path) == {"rollout_wait": 6.0, "policy_update": 2.0}
 
 
 def test_a_cluster_without_gpus_is_refused_for_verl(tmp_path):
