@@ -13,6 +13,8 @@ TEST_WORKERS ?= 3
 XDIST   := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_extensions
 export WANDB_MODE ?= offline
+# A download cut short resumes rather than failing the setup (torch's 530 MB wheel was, once).
+export PIP_RESUME_RETRIES ?= 10
 
 .PHONY: setup setup-gpu setup-twin run lint test test-verl test-twin test-quick system-packages
 
