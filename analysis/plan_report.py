@@ -284,7 +284,7 @@ def split_json(sp: SplitPlan) -> dict:
         "gpus": sp.gpus,
         "chosen_rollout_ranks": sp.chosen.rollout_gpus if sp.chosen else 0,
         "why": sp.why,
-        "colocated_step_s": sp.colocated.generation + sp.colocated.training if sp.colocated else None,
+        "colocated_step_s": sp.colocated.colocated_step if sp.colocated else None,
         "options": [
             {
                 "rollout_ranks": o.rollout_gpus,

@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from analysis.memory import BF16, Footprint, Layout, Site, kv_cache, rollout_terms
+from analysis.memory import BF16, Footprint, Layout, Site, Term, kv_cache, rollout_terms
 from analysis.model_shape import LlamaShape
 from analysis.native_fit import held_width
 from analysis.plan import NO_FIT, RUNTIME_PER_RANK, Machine, Option, Speed, evaluate, judge
 from analysis.plan_search import Candidate, configured
-from core.cluster import rollout_span_problem
+from core.cluster import rollout_pool_problem, rollout_span_problem
 from core.config import GRPOStage, RunConfig
 
 # The update's, old log-probs' and reference's share of the GPUs' bf16 peak: what well-tuned FSDP
@@ -50,6 +50,11 @@ class Timing:
     @property
     def split_step(self) -> float:
         return max(self.generation, self.training) + self.handover
+
+    @property
+    def colocated_step(self) -> float:
+        """Generation on all the GPUs, then training on all (the in-GPU weight sync left out)."""
+        return self.generation + self.training
 
 
 @dataclass(frozen=True)
@@ -106,15 +111,20 @@ def plan_split(stage: GRPOStage, shape: LlamaShape, site: Site, machine: Machine
 
 
 def rollout_counts(g: GRPOStage, gpus: int, gpus_per_node: int) -> list[int]:
-    """The splits each engine can run: verl's rollout pool is part of a one-node job or whole nodes
-    (stages/engines/verl_trainer.py check_pools), in whole replicas; the native engine's generators
-    are at most half the ranks (core/config.py). The training GPUs hold whole megatron layouts."""
+    """The splits each engine can run: verl's rollout pool as `hpcr1 submit` accepts it
+    (core.cluster.rollout_pool_problem), in whole replicas; the native engine's generators are at
+    most half the ranks (core/config.py). The training GPUs hold whole megatron layouts."""
     if g.engine == "native":
         return list(range(1, gpus // 2 + 1))
     v = g.verl
     model_parallel = v.megatron_tp * v.megatron_pp if v.backend == "megatron" else 1
-    step = gpus_per_node if gpus > gpus_per_node else 1
-    return [r for r in range(step, gpus, step) if r % v.rollout_tp == 0 and (gpus - r) % model_parallel == 0]
+    return [
+        r
+        for r in range(1, gpus)
+        if not rollout_pool_problem(r, gpus, gpus_per_node)
+        and r % v.rollout_tp == 0
+        and (gpus - r) % model_parallel == 0
+    ]
 
 
 def training_side(stage, shape, site, machine, gpus: int, cand: Candidate) -> Option:
@@ -156,7 +166,7 @@ def generation_side(stage: GRPOStage, shape: LlamaShape, site: Site, machine: Ma
         sequences = stage.prompts_per_step * stage.group_size / gpus
         length = site.prompt_tokens + stage.max_new_tokens
         kv = kv_cache(shape, sequences, "prompts_per_step·G/R", length, w)
-        weights = replace(kv, name="rollout_weights", formula=f"P·{w} (whole model)", bytes=w * P)
+        weights = Term("rollout_weights", f"P·{w} (whole model)", w * P)
         fp, layout = Footprint([weights, kv], []), Layout(gpus, 1, 0)
     else:
         v = stage.verl
@@ -214,7 +224,7 @@ def choose_split(
             "estimate a step with: the memory verdicts only"
         )
     best = min(feasible, key=lambda o: o.timing.split_step)
-    colocated_step, t = colocated.generation + colocated.training, best.timing
+    colocated_step, t = colocated.colocated_step, best.timing
     if t.split_step >= colocated_step:
         return None, (
             f"colocated: {colocated_step:.1f} s a step (generation {colocated.generation:.1f} s then "

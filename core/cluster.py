@@ -225,6 +225,20 @@ def load_profile(name_or_path: str, overrides: dict | None = None) -> ClusterPro
         raise ConfigError(f"{path.name}:" + ".".join(str(p) for p in err["loc"]), err["msg"]) from None
 
 
+def rollout_pool_problem(rollout_gpus: int, gpus: int, gpus_per_node: int) -> str | None:
+    """Why verl's separate trainer cannot place a rollout pool of `rollout_gpus` of a job's `gpus`
+    (nodes of `gpus_per_node`), or None: it must leave GPUs to train on and, once the job has several
+    nodes, be whole nodes (verl's resource pools are a count of GPUs on each of some nodes)."""
+    if rollout_gpus >= gpus:
+        return f"{rollout_gpus} of the job's {gpus} GPUs leaves none to train on"
+    if gpus > gpus_per_node and rollout_gpus % gpus_per_node:
+        nodes = gpus // gpus_per_node
+        return (
+            f"{rollout_gpus} is not whole nodes of {gpus_per_node} GPUs, which a job of {nodes} nodes needs"
+        )
+    return None
+
+
 def rollout_span_problem(rollout_tp: int, gpus: int, gpus_per_node: int) -> str | None:
     """Why a rollout engine of `rollout_tp` GPUs cannot be laid over `gpus` GPUs of nodes of
     `gpus_per_node`, or None: an instance spans part of a node or whole nodes (verl's

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from core.cluster import COLLECTIVE_TIMEOUT_ENV, rollout_span_problem
+from core.cluster import COLLECTIVE_TIMEOUT_ENV, rollout_pool_problem, rollout_span_problem
 from core.config import ConfigError, GRPOStage, RunConfig, SynthStage, engine_of
 from core.rundir import RunDir
 from stages.engines.verl_platform_names import CPU_PLATFORM, CPU_ROLLOUT
@@ -123,16 +123,10 @@ def pools(s: GRPOStage, nnodes: int, gpus_per_node: int) -> tuple[tuple[int, int
 
 
 def check_pools(s: GRPOStage, sid: str, nnodes: int, gpus_per_node: int) -> None:
-    """A rollout pool that verl's separate trainer can place: GPUs left to train on, and whole nodes
-    once the job has several (its resource pools are a count of GPUs on each of a number of nodes)."""
-    r, gpus = s.rollout_ranks, nnodes * gpus_per_node
-    if not r:
-        return
-    if r >= gpus:
-        raise ConfigError(f"{sid}.rollout_ranks", f"{r} of the job's {gpus} GPUs leaves none to train on")
-    if nnodes > 1 and r % gpus_per_node:
-        message = f"{r} is not whole nodes of {gpus_per_node} GPUs, which a job of {nnodes} nodes needs"
-        raise ConfigError(f"{sid}.rollout_ranks", message)
+    """A rollout pool that verl's separate trainer can place (core.cluster.rollout_pool_problem)."""
+    problem = s.rollout_ranks and rollout_pool_problem(s.rollout_ranks, nnodes * gpus_per_node, gpus_per_node)
+    if problem:
+        raise ConfigError(f"{sid}.rollout_ranks", problem)
 
 
 def separate_rollout_overrides(s: GRPOStage, nnodes: int, gpus_per_node: int) -> dict:
