@@ -49,8 +49,10 @@ class TinyModel(Section):
     """Key/value heads (grouped-query attention); divides num_heads."""
     ffn_hidden_size: PositiveInt = 352
     """Inner width of the SwiGLU MLP."""
-    max_position_embeddings: PositiveInt = 256
-    """Longest sequence the RoPE tables are built for."""
+    max_position_embeddings: PositiveInt = 1024
+    """Longest sequence the model takes (RoPE has no weights: the number changes no result). Every
+    length the stages set is checked against it, as against a real model's; 1024 admits verl's
+    default max_prompt_length."""
 
 
 class ModelConfig(Section):
@@ -616,7 +618,8 @@ def hf_config_json(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> P
 
 
 def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
-    """Heads, KV heads, layers, vocabulary and tying of the base model, for layout checks."""
+    """Heads, KV heads, layers, vocabulary, tying and positions (None: not said) of the base model,
+    for layout and length checks."""
     if cfg.model.source == "tiny":
         t = cfg.model.tiny
         # The character tokenizer's vocabulary is padded to 128 (stages/data/tokenizer.py).
@@ -626,6 +629,7 @@ def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
             "num_hidden_layers": t.num_layers,
             "vocab_size": 128,
             "tie_word_embeddings": False,
+            "max_position_embeddings": t.max_position_embeddings,
         }
     hf = json.loads(hf_config_json(cfg, base, shape_will_do).read_text())
     return {
@@ -634,6 +638,7 @@ def model_dims(cfg: RunConfig, base: Path, shape_will_do: bool = False) -> dict:
             for k in ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
         },
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "max_position_embeddings": hf.get("max_position_embeddings"),
     }
 
 
@@ -659,6 +664,7 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
     dims = model_dims(cfg, base, shape_will_do=not data_files)
     if not cfg.stages():
         raise ConfigError("stage1_sft", "no stage is configured: the graph is empty")
+    _check_lengths(cfg, dims["max_position_embeddings"])
     earlier: list[str] = []
     for sid, stage in cfg.stages().items():
         for src in stage.upstream():
@@ -672,6 +678,44 @@ def _check_consistency(cfg: RunConfig, base: Path, data_files: bool) -> None:
         elif isinstance(stage, GRPOStage):
             _check_grpo_stage(cfg, sid, stage)
         earlier.append(sid)
+
+
+def _check_lengths(cfg: RunConfig, positions: int | None) -> None:
+    """Every sequence a stage or the evaluation builds must fit the model's positions: past them a
+    model's RoPE extrapolates beyond what it was trained on (and vLLM refuses to start)."""
+    if positions is None:
+        return
+    for field, longest, what in _sequence_lengths(cfg):
+        if longest > positions:
+            where = f"{what} = " if what else ""
+            message = f"{where}{longest} tokens, more than the model's {positions} positions"
+            raise ConfigError(field, f"{message} (max_position_embeddings)")
+
+
+def _sequence_lengths(cfg: RunConfig):
+    """(field to lower, longest sequence, how it is counted) for every length the config sets."""
+    stages = cfg.stages().values()
+    # A GRPO stage on verl is scored by verl's generation server with eval's settings.
+    on_verl = cfg.eval.engine == "verl" or any(
+        isinstance(s, GRPOStage) and s.engine == "verl" for s in stages
+    )
+    for engine in dict.fromkeys([cfg.eval.engine, "verl" if on_verl else cfg.eval.engine]):
+        yield _generation_length("eval", cfg.eval.max_new_tokens, engine, cfg.eval.verl)
+    for sid, s in cfg.stages().items():
+        if isinstance(s, SFTStage):
+            yield f"{sid}.max_seq_len", s.max_seq_len, ""
+        else:
+            yield _generation_length(sid, s.max_new_tokens, s.engine, s.verl)
+
+
+def _generation_length(section: str, max_new_tokens: int, engine: str, verl: VerlRolloutConfig):
+    """verl's engines hold max_prompt_length + max_new_tokens; ours a prompt as long as the data's,
+    of one token at least, and the response."""
+    if engine == "verl":
+        longest = verl.max_model_len(max_new_tokens)
+        counted = f"max_prompt_length + max_new_tokens ({verl.max_prompt_length} + {max_new_tokens})"
+        return f"{section}.verl.max_prompt_length", longest, counted
+    return f"{section}.max_new_tokens", max_new_tokens + 1, f"1 prompt token + {max_new_tokens}"
 
 
 def _check_sft_stage(cfg: RunConfig, sid: str, s: SFTStage, dims: dict) -> None:

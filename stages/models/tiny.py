@@ -15,7 +15,7 @@ def build_tiny_llama(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     ffn_hidden_size: int = 352,
-    max_position_embeddings: int = 256,
+    max_position_embeddings: int = 1024,
     rope_theta: float = 10000.0,
     seed: int = 0,
     pad_token_id: int | None = None,
