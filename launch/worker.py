@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
     info = init_distributed(mpi_calls=bootstrap)
     logging.getLogger("hpcr1").info(
-        "rank %d of %d on %s (%s), host %s address %s, master %s:%s, ranks from %s",
+        "rank %d of %d on %s (%s), host %s address %s, master %s:%s, ranks from %s, pid %d",
         info.rank,
         info.world_size,
         rank_device(),
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["MASTER_ADDR"],
         os.environ["MASTER_PORT"],
         info.source,
+        os.getpid(),
     )
     install_handlers()
     attempt = Manifest(run.root).stage(stage_id)["attempts"]
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = StageContext(cfg=cfg, run=run, stage_id=stage_id, rank=info, terminal=terminal, profiler=profiler)
     preempted = False
     try:
-        with profiler or contextlib.nullcontext():
+        with profiler or contextlib.nullcontext(), watch_for_hangs(profiler, run.logs(stage_id), info.rank):
             if profiler is not None:
                 bootstrap.hand_to(profiler, phase="bootstrap")
             run_stage(ctx)
@@ -125,6 +127,19 @@ def main(argv: list[str] | None = None) -> None:
         # Every rank is past shutdown's barrier, the checkpoint sealed: leave together, not after
         # finalisations seconds apart, which also resets the TERM handler that leave_for_requeue set.
         leave_now(PREEMPTED_EXIT)
+
+
+def watch_for_hangs(profiler, log_dir: Path, rank: int):
+    """The rank's report of a call that runs past half its timeout (runtime/hang_watch.py); it reads
+    the calls the profiler holds open, so none without one."""
+    import torch.distributed as dist
+
+    from runtime.dist import collective_timeout
+    from runtime.hang_watch import HangWatch, report_after_s
+
+    if profiler is None:
+        return contextlib.nullcontext()
+    return HangWatch(profiler, log_dir, rank, report_after_s(collective_timeout(), dist.get_backend()))
 
 
 def leave_now(code: int) -> None:
@@ -152,6 +167,7 @@ def run_forked_rank(run_dir: str, stage_id: str) -> None:
     in a child of this process, which passes signals on, waits and records how it ended: a rank
     killed by a signal cannot, and torchrun reports only the first of its forked ranks to end."""
     from core.rundir import RunDir
+    from runtime.hang_watch import watch_peers
     from runtime.rank_failure import record_exit
 
     die_with_launcher()
@@ -159,16 +175,27 @@ def run_forked_rank(run_dir: str, stage_id: str) -> None:
     if child == 0:
         _run_and_leave(run_dir, stage_id)
     for signum in PASSED_ON:
-        signal.signal(signum, lambda signum, frame: os.kill(child, signum))
+        signal.signal(signum, lambda signum, frame: pass_on(child, signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_dir, rank = RunDir(Path(run_dir)).logs(stage_id), int(os.environ["RANK"])
+    stop = threading.Event()
+    watch = threading.Thread(target=watch_peers, args=(log_dir, rank, child, stop), daemon=True)
+    watch.start()
     code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+    stop.set()
     if code == 0:
         return
-    record_exit(RunDir(Path(run_dir)).logs(stage_id), int(os.environ["RANK"]), code)
+    record_exit(log_dir, rank, code)
     if code < 0:  # end as the rank did, for torchrun to report
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     leave_now(code)
+
+
+def pass_on(child: int, signum: int) -> None:
+    os.kill(child, signum)
+    if signum == signal.SIGTERM:  # a stopped rank (SIGSTOP, a debugger) ends now, not at SIGKILL 30 s later
+        os.kill(child, signal.SIGCONT)
 
 
 def _run_and_leave(run_dir: str, stage_id: str) -> None:

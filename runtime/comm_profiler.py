@@ -85,6 +85,7 @@ FIELDS = (
     "t_ready",
     "side_stream",
 )
+T_START = FIELDS.index("t_start")
 T_WAIT = FIELDS.index("t_wait")
 T_END = FIELDS.index("t_end")
 T_READY = FIELDS.index("t_ready")
@@ -236,6 +237,12 @@ class CommProfiler:
     def set_step(self, step: int) -> None:
         self.step = step
         tag_library_callers()  # DeepSpeed may have been imported after start()
+
+    def oldest_open_call(self) -> dict | None:
+        """The longest-running call not yet seen to complete, as an event dict; None when none is open."""
+        with self._lock:
+            open_calls = [e for e in self.events if completion_unknown(e)]
+        return dict(zip(FIELDS, min(open_calls, key=lambda e: e[T_START]))) if open_calls else None
 
     def flush(self, everything: bool = False) -> None:
         """Append the completed events to the rank's file; pending ones wait for a later flush,

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 from core.atomic import atomic_write_text
+from runtime.hang_watch import hang_error, hang_summary
 
 # Test seam: "rank=1,step=3" makes rank 1 raise InjectedFailure as step 3 begins (StageContext.begin_step).
 FAIL_AT_ENV = "HPCR1_FAIL_AT"
@@ -99,6 +100,8 @@ def forget_failures(log_dir: Path) -> None:
         *log_dir.glob("rank-*.error.json"),
         *log_dir.glob("rank-*.fatal.txt"),
         *log_dir.glob("rank-*.exit.json"),
+        *log_dir.glob("rank-*.waiting.json"),
+        *log_dir.glob("rank-*.stack.txt"),
         *log_dir.glob(f"*{TORCHRUN_FAILURES}"),
         *log_dir.glob(LOST_NODES),
     ]:
@@ -194,6 +197,12 @@ def stage_error(log_dir: Path, exit_code: int) -> dict:
     """The manifest's `error` for a stage whose ranks failed: the first failed rank, how (exception
     or signal), its log, and how every other failed rank ended."""
     error = _rank_error(log_dir, exit_code)
+    hang = hang_error(log_dir)
+    if hang is not None:
+        error["hang"] = hang
+    if hang is not None and error["rank"] in [None, *hang["reached"]]:
+        # The first rank failed of the call's timeout: the call and the ranks absent from it are the news.
+        error["summary"] = f"{hang_summary(hang)} (log: {error.get('log') or log_dir})"
     lost_path = log_dir / LOST_NODES
     if lost_path.is_file():
         lost = json.loads(lost_path.read_text())

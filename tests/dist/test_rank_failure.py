@@ -140,3 +140,53 @@ def test_sigkill_of_rank_1_fails_the_stage_naming_it(tmp_path, kind):
     error = entry["error"]
     assert entry["state"] == "failed" and error["rank"] == 1 and error["signal"] == "SIGKILL", error
     assert "rank 1 failed first: killed by SIGKILL" in status, status
+
+
+# Colocated GRPO from the base model: rollout and update on both ranks.
+GRPO = (
+    *("--only", "stage2_grpo", "stage2_grpo.init_from=base", "stage2_grpo.steps=1000"),
+    *("stage2_grpo.prompts_per_step=4", "stage2_grpo.group_size=2", "stage2_grpo.max_new_tokens=16"),
+)
+HUNG = {"sft": ("stage1_sft", (UNREACHED_STEPS,)), "grpo": ("stage2_grpo", GRPO)}
+COLLECTIVE_TIMEOUT_S = 20
+
+
+def profile_events(path: Path) -> list[dict]:
+    """A rank's recorded calls; none where it was stopped before its first flush."""
+    return [json.loads(line) for line in path.open()] if path.exists() else []
+
+
+@pytest.mark.parametrize("kind", sorted(HUNG))
+def test_a_stopped_rank_fails_the_stage_naming_the_collective_and_the_stopped_ranks_stack(tmp_path, kind):
+    """SIGSTOP of rank 1 mid-stage: rank 0 waits in its next collective until the timeout, and the
+    error names that call (op, phase, step, sequence number), rank 0 as having reached it and rank 1
+    as not, with rank 1's Python stack read from outside; every rank is gone within the bound."""
+    sid, overrides = HUNG[kind]
+    run_dir = tmp_path / "stopped"
+    env = {"HPCR1_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)}
+    proc = hpcr1_run(run_dir, *overrides, wait=False, env=env)
+    pids = wait_until(lambda: len(rank_pids(run_dir)) == 2 and rank_pids(run_dir), proc, "2 ranks")
+    wait_until(lambda: steps_logged(run_dir, sid) >= 1, proc, "a step logged (the ranks are training)")
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped = time.time()
+    ended = gone_at(pids)
+    entry, status = failed_run(run_dir, proc, sid)
+
+    print(f"SIGSTOP of rank 1 -> all ranks gone: {ended - stopped:.1f} s")
+    assert ended - stopped < COLLECTIVE_TIMEOUT_S + ALL_RANKS_GONE_WITHIN_S
+    hang = entry["error"]["hang"]
+    assert (hang["reached"], hang["missing"], hang["group_ranks"]) == ([0], [1], [0, 1]), hang
+    assert hang["waited_s"] >= COLLECTIVE_TIMEOUT_S / 2
+    # The call is in rank 0's profile, ended only by its timeout, and never began on rank 1.
+    calls = {r: profile_events(run_dir / sid / "profile" / f"rank-{r:05d}.jsonl") for r in (0, 1)}
+    call = (hang["op"], hang["seq"], hang["group_ranks"])
+    [waited] = [e for e in calls[0] if (e["op"], e["seq"], e["group_ranks"]) == call]
+    assert waited["t_end"] is None or waited["t_end"] - waited["t_start"] >= 0.9 * COLLECTIVE_TIMEOUT_S
+    assert (waited["phase"], waited["step"]) == (hang["phase"], hang["step"])
+    assert not [e for e in calls[1] if (e["op"], e["seq"], e["group_ranks"]) == call]
+    assert hang["step"] >= 1
+    # rank 1's stack, taken by py-spy while it was stopped: its main thread in the stage's code
+    assert '"MainThread"' in hang["stacks"]["1"] and "stages/" in hang["stacks"]["1"], hang["stacks"]["1"]
+    words = f"{hang['op']} #{hang['seq']} (phase {hang['phase']}, step {hang['step']}) did not end"
+    assert entry["error"]["summary"].startswith(words), entry["error"]["summary"]
+    assert "rank(s) 0 waited" in status and "rank(s) 1 never reached it; rank 1 was at " in status, status

@@ -152,3 +152,61 @@ def test_what_a_child_process_printed_last_is_recorded_as_the_ranks_failure(tmp_
     assert "WorkerDict" in records[0]["message"] and "pid: 20272" in records[0]["message"]
     assert stage_error(tmp_path, 1)["exception"] == "ActorDiedError"
     assert not record_printed_exception(tmp_path / "other", 0, "no exception here\n")
+
+
+def waiting(rank: int, op: str, seq: int, t_start: float, group=(0, 1, 2)) -> dict:
+    return {
+        "rank": rank,
+        "op": op,
+        "seq": seq,
+        "group_ranks": list(group),
+        "phase": "update",
+        "step": 7,
+        "t_start": t_start,
+        "waited_s": 1000 - t_start,
+        "stack": f'  File "stages/x.py", line {rank}, in f\n',
+    }
+
+
+def test_a_deadlock_names_the_call_waited_in_longest_and_where_each_absent_rank_was(tmp_path):
+    """Ranks 0 and 1 wait in all_reduce #4; rank 2 waits in another call (a deadlock) and rank 3,
+    outside the group, is not asked about. The error names the call and rank 2's own."""
+    from runtime.hang_watch import stack_path, waiting_path
+
+    write_logs(
+        tmp_path,
+        [(1, 1, None, 1001), (0, 1, None, 1001)],
+        {0: (1000.5, "Timed out"), 1: (1000.6, "Timed out")},
+    )
+    for rank, op, seq, t in [
+        (0, "all_reduce", 4, 400.0),
+        (1, "all_reduce", 4, 410.0),
+        (2, "broadcast", 9, 420.0),
+    ]:
+        waiting_path(tmp_path, rank).write_text(json.dumps(waiting(rank, op, seq, t)))
+    stack_path(tmp_path, 2).write_text("a stale dump: rank 2 wrote its own record since")
+    error = stage_error(tmp_path, 1)
+    hang = error["hang"]
+    assert (hang["op"], hang["seq"], hang["reached"], hang["missing"]) == ("all_reduce", 4, [0, 1], [2])
+    assert hang["waited_s"] == 600 and hang["stacks"]["2"] == waiting(2, "broadcast", 9, 420.0)["stack"]
+    assert error["summary"].startswith(
+        "all_reduce #4 (phase update, step 7) did not end: rank(s) 0, 1 waited 600 s in it, rank(s) 2 never "
+        "reached it; rank 2 was waiting in broadcast #9 (phase update, step 7) (log: "
+    ), error["summary"]
+
+
+def test_a_rank_that_failed_first_of_its_own_keeps_the_summary_and_the_hang_is_kept_beside(tmp_path):
+    from runtime.hang_watch import stack_path, waiting_path
+
+    write_logs(
+        tmp_path, [(1, 1, None, 1001), (0, 1, None, 1001)], {1: (999.0, "out of memory"), 0: (1000.5, "x")}
+    )
+    waiting_path(tmp_path, 0).write_text(json.dumps(waiting(0, "all_gather", 2, 400.0, group=(0, 1))))
+    stack_path(tmp_path, 1).write_text(
+        'Process 5: python\n\nThread 5 (idle): "MainThread"\n    step (stages/sft.py:10)\n'
+    )
+    error = stage_error(tmp_path, 1)
+    assert error["summary"].startswith("rank 1 failed first: RuntimeError: out of memory"), error["summary"]
+    assert error["hang"]["missing"] == [1] and "step (stages/sft.py:10)" in error["hang"]["stacks"]["1"]
+    forget_failures(tmp_path)
+    assert not list(tmp_path.glob("rank-*.waiting.json")) and not list(tmp_path.glob("rank-*.stack.txt"))
