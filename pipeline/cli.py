@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--nodes", type=int, help=NODES_HELP)
     sb.add_argument("--run-dir", help="default: runs/<name>")
     sb.add_argument("--dry-run", action="store_true", help="write and print the scripts, submit nothing")
+    add_skip_checks_option(sb)
     sb.add_argument("--only", help="comma-separated stage ids")
     sb.add_argument("--from", dest="from_stage", metavar="STAGE", help="this stage and those after it")
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -106,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("run_dir")
     rs.add_argument("--cluster", help="resubmit to this cluster (default: run here)")
     rs.add_argument("--nodes", type=int, help=NODES_HELP)
+    add_skip_checks_option(rs)
     add_launcher_option(rs)
     rs.set_defaults(func=cmd_resume)
 
@@ -161,6 +163,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 NODES_HELP = "nodes per stage job (default: the config's nproc over the profile's tasks per node)"
+
+
+def add_skip_checks_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-checks",
+        action="store_true",
+        help="submit even where a check fails (the run directory's room for the planned checkpoints)",
+    )
 
 
 def add_launcher_option(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +253,7 @@ def cmd_submit(args) -> int:
         job_nodes(args.nodes, cfg, profile),
         args.dry_run,
         only=only,
+        checks=not args.skip_checks,
     )
     return 0
 
@@ -301,7 +312,8 @@ def cmd_resume(args) -> int:
     if args.cluster:
         fail_orphaned_stages(run.root)  # else its job, still RUNNING, would run beside the resubmitted one
         profile = load_profile(args.cluster)
-        submit(cfg, run, run.root, profile, job_nodes(args.nodes, cfg, profile), dry_run=False)
+        nodes = job_nodes(args.nodes, cfg, profile)
+        submit(cfg, run, run.root, profile, nodes, dry_run=False, checks=not args.skip_checks)
         return 0
     return run_here(cfg, run, run.root, launcher=args.launcher)
 

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from analysis.auto_layout import auto_fields, resolve_auto_layouts
+from analysis.disk import run_disk
 from analysis.model_shape import model_shape
 from analysis.native_fit import overflow_message, too_large
 from core.atomic import atomic_write_text
@@ -24,6 +25,7 @@ from launch.sbatch import render_stage_script, render_verl_script, sbatch_comman
 from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import nccl_plugin_problem, requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
+from pipeline.checks import disk_check
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.runlock import hold_run_dir, holder_after
 from runtime.rank_failure import record_exception
@@ -39,8 +41,10 @@ def submit(
     dry_run: bool,
     echo=print,
     only: list[str] | None = None,
+    checks: bool = True,
 ) -> dict[str, str]:
-    """Returns {stage id: job id} (script paths on a dry run); `only` limits it to those stages."""
+    """Returns {stage id: job id} (script paths on a dry run); `only` limits it to those stages;
+    `checks`: refuse where the run directory cannot hold what the stages will write."""
     if nodes < 1:
         raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
     world = nodes * profile.tasks_per_node()
@@ -54,6 +58,8 @@ def submit(
     for sid in verl_stages(cfg, only):
         check_verl_job(cfg, run, sid, nodes, profile.verl_gpus_per_node(), profile.verl_platform)
     refuse_native_overflow(cfg, config_dir, profile, only)
+    if checks:
+        refuse_failed_checks(cfg, run, config_dir, profile, only, echo)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
@@ -80,6 +86,21 @@ def refuse_native_overflow(cfg: RunConfig, config_dir: Path, profile: ClusterPro
     stage_ids = [sid for sid in cfg.stages() if not only or sid in only]
     for r in too_large(cfg, P, stage_ids, profile.gpu_memory_gib):
         raise ConfigError(r.field, overflow_message(r, P, profile.gpu_memory_gib, profile.name))
+
+
+def refuse_failed_checks(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, only, echo):
+    """The checks that need no job (pipeline/checks.py), on the stages not yet done: a WARN is said,
+    a FAIL refuses the submission with its line."""
+    done = {sid for sid, entry in Manifest(run.root).data["stages"].items() if entry.get("state") == "done"}
+    to_run = [sid for sid in cfg.stages() if (not only or sid in only) and sid not in done]
+    params = model_shape(cfg, config_dir).params()
+    check = disk_check(run.root, run_disk(cfg, params, profile.gpus_per_node > 0, to_run))
+    if check.verdict == "FAIL":
+        raise ConfigError(
+            "--run-dir", f"{check.name} {check.verdict}: {check.detail} -> {check.fix} (or --skip-checks)"
+        )
+    if check.verdict == "WARN":
+        echo(check.line())
 
 
 def _submit_stages(
