@@ -59,7 +59,7 @@ def submit(
         check_verl_job(cfg, run, sid, nodes, profile.verl_gpus_per_node(), profile.verl_platform)
     refuse_native_overflow(cfg, config_dir, profile, only)
     if checks:
-        refuse_failed_checks(cfg, run, config_dir, profile, only, echo)
+        refuse_failed_checks(cfg, run, config_dir, profile, only, echo, refuse=not dry_run)
     task = check_run(cfg, config_dir, only)
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
@@ -88,18 +88,20 @@ def refuse_native_overflow(cfg: RunConfig, config_dir: Path, profile: ClusterPro
         raise ConfigError(r.field, overflow_message(r, P, profile.gpu_memory_gib, profile.name))
 
 
-def refuse_failed_checks(cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, only, echo):
+def refuse_failed_checks(
+    cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, only, echo, refuse: bool = True
+):
     """The checks that need no job (pipeline/checks.py), on the stages not yet done: a WARN is said,
-    a FAIL refuses the submission with its line."""
+    a FAIL refuses the submission with its line (a dry run, which submits nothing, says it)."""
     done = {sid for sid, entry in Manifest(run.root).data["stages"].items() if entry.get("state") == "done"}
     to_run = [sid for sid in cfg.stages() if (not only or sid in only) and sid not in done]
     params = model_shape(cfg, config_dir).params()
     check = disk_check(run.root, run_disk(cfg, params, profile.gpus_per_node > 0, to_run))
-    if check.verdict == "FAIL":
+    if check.verdict == "FAIL" and refuse:
         raise ConfigError(
             "--run-dir", f"{check.name} {check.verdict}: {check.detail} -> {check.fix} (or --skip-checks)"
         )
-    if check.verdict == "WARN":
+    if check.verdict != "PASS":
         echo(check.line())
 
 

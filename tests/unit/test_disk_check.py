@@ -41,7 +41,8 @@ def planned_bytes() -> int:
 
 
 def submit(run, *extra: str) -> list[str]:
-    return ["submit", str(TINY), "--cluster", "local", "--dry-run", "--run-dir", str(run), *extra]
+    """A submission refused before it reaches sbatch, or (--dry-run) written and not submitted."""
+    return ["submit", str(TINY), "--cluster", "local", "--run-dir", str(run), *extra]
 
 
 def test_a_run_directory_too_small_for_the_checkpoints_is_refused_naming_both_figures(small_fs, capsys):
@@ -51,8 +52,12 @@ def test_a_run_directory_too_small_for_the_checkpoints_is_refused_naming_both_fi
     assert err.startswith("hpcr1: error: --run-dir: run directory space FAIL: ") and "\n" not in err, err
     assert f"free on {fs}" in err and "planned (stage" in err and "keep_checkpoints" in err, err
     assert not (fs / "run").exists()
-    # --skip-checks: the user knows better (a file system that grows, a quota about to rise)
-    assert main(submit(fs / "run", "--skip-checks")) == 0
+    # A dry run, which submits nothing, says it; --skip-checks: the user knows better (a file system
+    # that grows, a quota about to rise)
+    assert main(submit(fs / "run", "--dry-run")) == 0
+    assert "FAIL  run directory space: " in capsys.readouterr().out
+    assert main(submit(fs / "run", "--dry-run", "--skip-checks")) == 0
+    assert "run directory" not in capsys.readouterr().out
     assert (fs / "run" / "stage1_sft" / "logs" / "stage1_sft.sbatch").is_file()
 
 
@@ -61,7 +66,7 @@ def test_too_few_inodes_fail_and_a_tight_fit_warns(small_fs, capsys):
     assert main(submit(small_fs(f"size={2 * need},nr_inodes=20") / "run")) == 2
     assert "run directory inodes FAIL: " in capsys.readouterr().err
     tight = small_fs(f"size={int(1.1 * need)}")
-    assert main(submit(tight / "run")) == 0
+    assert main(submit(tight / "run", "--dry-run")) == 0
     assert "WARN  run directory space: " in capsys.readouterr().out
 
 
@@ -70,4 +75,7 @@ def test_only_the_stages_still_to_run_count(small_fs, capsys):
     cfg = load_config(TINY)
     sft = run_disk(cfg, tiny_shape(cfg.model.tiny).params(), on_gpu=False, stages=["stage3_synth"])
     fs = small_fs(f"size={4 * sft[0].total_bytes + 2**20}")
-    assert main(submit(fs / "run", "--only", "stage3_synth")) == 0, capsys.readouterr().err
+    assert main(submit(fs / "run", "--only", "stage3_synth", "--dry-run")) == 0, capsys.readouterr().err
+    assert "run directory" not in capsys.readouterr().out
+    assert main(submit(fs / "run", "--dry-run")) == 0  # every stage: far more than it holds
+    assert "FAIL  run directory space: " in capsys.readouterr().out
