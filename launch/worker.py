@@ -5,7 +5,6 @@ its rank, joins the process group, runs the stage, leaves cleanly."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import logging
 import multiprocessing
@@ -13,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import traceback
 from pathlib import Path
 
@@ -42,13 +40,9 @@ def die_with_launcher() -> None:
     whose forkserver is left without torchrun: ranks went on writing checkpoints and final/ next to
     the attempt that resumed the stage. Ask the kernel to SIGKILL this rank when the process that
     started it dies (Linux); a forkserver leaves when its torchrun has gone."""
-    if not sys.platform.startswith("linux"):
-        return
-    launcher = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != launcher:  # it died before the request was made
-        os.kill(os.getpid(), signal.SIGKILL)
+    from runtime.linux import die_with_parent
+
+    die_with_parent()
 
 
 def address_towards(host: str) -> str:
@@ -130,15 +124,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def watch_for_hangs(profiler, log_dir: Path, rank: int):
-    """The rank's report of a call that runs past half its timeout (runtime/hang_watch.py); it reads
-    the calls the profiler holds open, so none without one."""
+    """The rank's report of a call that runs past half its timeout and its watcher from outside
+    (runtime/hang_watch.py); the report reads the calls the profiler holds open, so none without one."""
     import torch.distributed as dist
 
     from runtime.dist import collective_timeout
-    from runtime.hang_watch import HangWatch, report_after_s
+    from runtime.hang_watch import HangWatch, report_after_s, start_outside_watch
 
     if profiler is None:
         return contextlib.nullcontext()
+    start_outside_watch(log_dir, rank)
     return HangWatch(profiler, log_dir, rank, report_after_s(collective_timeout(), dist.get_backend()))
 
 
@@ -167,7 +162,6 @@ def run_forked_rank(run_dir: str, stage_id: str) -> None:
     in a child of this process, which passes signals on, waits and records how it ended: a rank
     killed by a signal cannot, and torchrun reports only the first of its forked ranks to end."""
     from core.rundir import RunDir
-    from runtime.hang_watch import watch_peers
     from runtime.rank_failure import record_exit
 
     die_with_launcher()
@@ -177,15 +171,10 @@ def run_forked_rank(run_dir: str, stage_id: str) -> None:
     for signum in PASSED_ON:
         signal.signal(signum, lambda signum, frame: pass_on(child, signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    log_dir, rank = RunDir(Path(run_dir)).logs(stage_id), int(os.environ["RANK"])
-    stop = threading.Event()
-    watch = threading.Thread(target=watch_peers, args=(log_dir, rank, child, stop), daemon=True)
-    watch.start()
     code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
-    stop.set()
     if code == 0:
         return
-    record_exit(log_dir, rank, code)
+    record_exit(RunDir(Path(run_dir)).logs(stage_id), int(os.environ["RANK"]), code)
     if code < 0:  # end as the rank did, for torchrun to report
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

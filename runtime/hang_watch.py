@@ -5,15 +5,18 @@ Each rank's watch (a thread beside the communication profiler) writes logs/rank-
 the rank's oldest open call has run half the collective timeout: the call (op, phase, step, its
 sequence number in its group, the group) and the rank's own Python stack, rewritten while it waits
 and removed when it ends. A rank that never reached the call (stopped, deadlocked elsewhere, stuck in
-a file system) cannot write anything, so the process that forked it (launch.worker) watches the
-other ranks' records: while one stands and its own rank writes none, it dumps its rank's stack with
-py-spy, which reads a stopped or stuck process from outside, to logs/rank-N.stack.txt. When the
-timeout ends the stage, `hang_error` reads both back for the manifest.
+a file system) cannot write anything, so each rank also starts a small process of its own,
+`python -m runtime.hang_watch LOG_DIR RANK PID`, that watches the other ranks' records: while one
+stands and its rank writes none, it dumps its rank's stack with py-spy, which reads a stopped or
+stuck process from outside, to logs/rank-N.stack.txt. Whatever the launcher (torchrun, srun,
+mpirun), on whichever node. When the timeout ends the stage, `hang_error` reads both back for the
+manifest.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from core.atomic import atomic_write_text
+from runtime.linux import die_with_parent, let_trace
 
 # torch's own bounds where the profile sets none (torch.distributed.constants): 30 min gloo, 10 min NCCL.
 DEFAULT_TIMEOUT = {"gloo": timedelta(minutes=30), "nccl": timedelta(minutes=10)}
@@ -46,12 +50,8 @@ class HangWatch:
     """The rank-side watch: `with HangWatch(profiler, log_dir, rank, after_s): ...`."""
 
     def __init__(self, profiler, log_dir: Path, rank: int, after_s: float):
-        self.profiler, self.path, self.rank, self.after_s = (
-            profiler,
-            waiting_path(log_dir, rank),
-            rank,
-            after_s,
-        )
+        self.profiler, self.after_s = profiler, after_s
+        self.path = waiting_path(log_dir, rank)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watch", daemon=True)
 
@@ -73,16 +73,31 @@ class HangWatch:
                 frame = sys._current_frames().get(main)
                 stack = "".join(traceback.format_stack(frame)) if frame else "(main thread gone)"
                 record = {**call, "waited_s": round(time.time() - call["t_start"], 1), "stack": stack}
-                atomic_write_text(self.path, json.dumps(record, indent=1) + "\n")
+                # default=str: a CUDA call's times are events until the profiler resolves them
+                atomic_write_text(self.path, json.dumps(record, indent=1, default=str) + "\n")
             elif self.path.exists():
                 self.path.unlink()
 
 
-def watch_peers(log_dir: Path, rank: int, pid: int, stop: threading.Event, every_s: float = 1.0) -> None:
-    """The forking parent's watch of rank `rank` (process `pid`): its stack, taken from outside,
+def start_outside_watch(log_dir: Path, rank: int) -> subprocess.Popen:
+    """This rank's watcher from outside (module doc), let to read this process."""
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "runtime.hang_watch", str(log_dir), str(rank), str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    let_trace(watcher.pid)
+    return watcher
+
+
+def watch_peers(log_dir: Path, rank: int, pid: int, every_s: float = 1.0) -> None:
+    """While process `pid` (rank `rank`) is this process's parent: its stack, taken from outside,
     for each new call another rank reports waiting in while this one reports none."""
     seen: set[tuple] = set()
-    while not stop.wait(every_s):
+    while os.getppid() == pid:
+        time.sleep(every_s)
         if waiting_path(log_dir, rank).exists():
             continue
         calls = {(r, w["op"], w["seq"]) for r, w in read_waiting(log_dir).items()}
@@ -141,15 +156,16 @@ def hang_error(log_dir: Path) -> dict | None:
 
 def hang_summary(hang: dict) -> str:
     """One line: the call, who waited in it and who never came, where the first of those was."""
-    missing = hang["missing"]
-    where = ""
-    if missing:
-        first = str(missing[0])
-        where = hang["elsewhere"].get(first) or f"at {innermost_frame(hang['stacks'][first])}"
-        where = f"; rank {first} was {where}"
+    call, waited, missing = _call_words(hang), f"{hang['waited_s']:.0f} s", hang["missing"]
+    if not missing:  # every rank came: a peer cut off behind its link, or the transport stuck
+        return (
+            f"{call} did not end: every rank of its group ({_ranks(hang['reached'])}) waited {waited} in it"
+        )
+    first = str(missing[0])
+    where = hang["elsewhere"].get(first) or f"at {innermost_frame(hang['stacks'][first])}"
     return (
-        f"{_call_words(hang)} did not end: rank(s) {_ranks(hang['reached'])} waited "
-        f"{hang['waited_s']:.0f} s in it, rank(s) {_ranks(missing) or 'none'} never reached it{where}"
+        f"{call} did not end: rank(s) {_ranks(hang['reached'])} waited {waited} in it, "
+        f"rank(s) {_ranks(missing)} never reached it; rank {first} was {where}"
     )
 
 
@@ -177,3 +193,9 @@ def _call_words(call: dict) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+if __name__ == "__main__":
+    die_with_parent()
+    log_dir, rank, pid = sys.argv[1:4]
+    watch_peers(Path(log_dir), int(rank), int(pid))

@@ -215,3 +215,33 @@ def test_every_fault_in_turn_and_the_stage_still_ends_byte_identical(env, refere
     stopped = [int(step) for step in re.findall(r"stopping at step (\d+) on request", log)]
     assert stopped == [resumed[1]], (stopped, resumed)
     same_weights(env, run, reference)
+
+
+def test_a_rank_stopped_on_the_other_node_is_named_with_its_stack(env, tmp_path):
+    """SIGSTOP of rank 1 on node 2 mid-stage: within FAULT_BOUND_S the stage fails, and its error
+    names the collective rank 0 (node 1) waited in, rank 1 as never reaching it, and rank 1's stack,
+    read by the watcher the rank started beside it on node 2 (srun starts the ranks: no parent of
+    ours is there to read it)."""
+    run = submit(env, tmp_path, {**FAULTS, "stage1_sft": {**FAULTS["stage1_sft"], "steps": 5000}})
+    wait_for(
+        lambda: running(run, 1) and steps_done(run) >= 5 and workers_on(2, run),
+        "the ranks to train",
+        timeout=300,
+        explain=lambda: job_story(env, run, "stage1_sft"),
+    )
+    stopped = freeze(workers_on(2, run))
+    faulted = time.monotonic()
+    try:
+        wait_for(
+            lambda: ended(run), "the stage to fail", FAULT_BOUND_S, functools.partial(fault_story, env, run)
+        )
+    finally:
+        thaw(stopped)
+    print(f"SIGSTOP of rank 1 on mnode2: the stage failed {time.monotonic() - faulted:.1f} s after")
+    entry = manifest(run)["stage1_sft"]
+    hang = entry["error"]["hang"]
+    assert (hang["reached"], hang["missing"]) == ([0], [1]), hang
+    assert '"MainThread"' in hang["stacks"]["1"] and "stages/" in hang["stacks"]["1"], hang["stacks"]["1"]
+    status = hpcr1(env, "status", str(run)).stdout
+    assert f"{hang['op']} #{hang['seq']} (phase {hang['phase']}, step {hang['step']}) did not end" in status
+    assert "rank(s) 1 never reached it; rank 1 was at " in status, status
