@@ -4,8 +4,9 @@ and inodes of the run directory's file system against before it queues anything.
 A stage keeps `keep_checkpoints` step checkpoints and writes the next one before it prunes the
 oldest, so keep + 1 are on disk at its peak; a finished stage keeps its checkpoints and its final/
 (pipeline/driver.py never removes them). Per parameter (P), a checkpoint holds:
-- SFT (DeepSpeed over megatron-core): the weights in the stage's dtype, and Adam's two moments in
-  fp32; bf16 adds the fp32 master copy;
+- SFT (DeepSpeed over megatron-core): the weights in the stage's dtype, Adam's two moments in fp32,
+  and, but for fp32 without ZeRO, DeepSpeed's fp32 master partitions (its ZeRO and bf16 optimizers
+  save them beside the moments);
 - GRPO, native (torch DCP): the fp32 master weights and Adam's two moments: 12 bytes;
 - GRPO on verl: the same (its FSDP keeps fp32 parameters; megatron's distributed optimizer the
   bf16 weights beside fp32 main weights and moments: 14 bytes);
@@ -60,7 +61,7 @@ def stage_disk(sid: str, stage, params: int, on_gpu: bool, ranks: int) -> StageD
     kept = stage.keep_checkpoints + 1
     if isinstance(stage, SFTStage):
         weight = 2 if stage.dtype == "bf16" else 4
-        master = 4 if stage.dtype == "bf16" else 0
+        master = 0 if stage.dtype == "fp32" and stage.parallel.zero_stage == 0 else 4
         return StageDisk(sid, params * (weight + master + ADAM_MOMENTS), kept, params * weight, files * kept)
     assert isinstance(stage, GRPOStage)
     bf16 = stage.dtype == "bf16" or (stage.dtype == "auto" and on_gpu)

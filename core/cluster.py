@@ -134,6 +134,9 @@ class ClusterProfile(Section):
     nic_gbs: PositiveFloat | None = None
     """Bandwidth of one network interface in GB/s: what the weight hand-over to a rollout pool of
     its own crosses, one sender to its receivers."""
+    expected_bus_gbs: PositiveFloat | None = None
+    """The all_reduce bus bandwidth between two nodes, in GB/s, below which `hpcr1 doctor` fails its
+    network check (a link shaped, a NIC down, NCCL on the wrong interface). None: not checked."""
     ranks_per_node: int = 2
     """Ranks per node when gpus_per_node is 0."""
     cpus_per_task: int = 1

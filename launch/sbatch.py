@@ -17,6 +17,7 @@ from core.cluster import COLLECTIVE_TIMEOUT_ENV, ClusterProfile
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
 VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
+DOCTOR_TEMPLATE = TEMPLATE.with_name("doctor.sbatch")
 REPO = Path(__file__).resolve().parents[1]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -84,6 +85,35 @@ def render_verl_script(
         verl_platform=profile.verl_platform,
         ray_cpus=ray_cpus_option(profile),
         **profile.ray.model_dump(),
+    )
+
+
+def render_doctor_script(
+    profile: ClusterProfile, out_dir: Path, run_dir: Path, nodes: int, python: str = sys.executable
+) -> str:
+    """`hpcr1 doctor`'s probe job: one task a node, a few minutes, never requeued; the all_reduce
+    only where there are nodes to cross."""
+    q = shlex.quote
+    probe = profile.model_copy(
+        update={"ranks_per_node": 1, "gpus_per_node": profile.gpus_per_node and 1, "time_limit": "00:10:00"}
+    )
+    kept = [d for d in directives(probe, nodes) if not d.startswith(("--signal", "--requeue"))]
+    if profile.gpus_per_node:  # the node's every GPU for nvidia-smi, one task a node
+        kept = [f"--gpus-per-node={profile.gpus_per_node}" if d.startswith("--gpus") else d for d in kept]
+    # 64 MiB: where NCCL's all_reduce reaches its bus bandwidth; a few calls tell a healthy link from
+    # a shaped one or sockets, and a slow link still ends in seconds.
+    bench = [q(python), "-m", "launch.commbench", "--ops", "all_reduce", "--sizes", "64M", "--iters", "3"]
+    bench += ["--warmup", "1", "--out", q(str(out_dir / "commbench.json"))]
+    return DOCTOR_TEMPLATE.read_text().format(
+        directives="\n".join(f"#SBATCH {d}" for d in kept),
+        profile=profile.name,
+        env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
+        setup="\n".join(profile.setup) or "# (no setup lines in the profile)",
+        repo=q(str(REPO)),
+        python=q(python),
+        out=q(str(out_dir)),
+        run_dir=q(str(run_dir)),
+        commbench=f"srun {' '.join(bench)}" if nodes > 1 else "# one node: no link between nodes to time",
     )
 
 

@@ -5,6 +5,7 @@ submits anyway)."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +60,116 @@ def existing_ancestor(path: Path) -> Path:
 
 def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# The oldest Linux driver each CUDA major runs on (NVIDIA's CUDA Toolkit release notes, "minor
+# version compatibility"): a build for 12.8 runs on any 12.x driver from 525.60.13 on.
+MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+SMI_HEADER = re.compile(r"Driver Version:\s*([\d.]+)\s+CUDA Version:\s*([\d.]+)")
+# A wheel built for one CUDA major says so in its name: nvidia-cublas-cu12, transformer_engine_cu13.
+CUDA_WHEEL = re.compile(r"[-_]cu(\d{2})(?:$|[-_])", re.IGNORECASE)
+
+
+def cuda_needs(torch_cuda: str | None, packages: dict[str, str]) -> dict[str, int]:
+    """{package and version: the CUDA major it was built for}: torch's own build, and every wheel
+    whose name carries a CUDA major (vLLM's and Transformer Engine's libraries among them)."""
+    needs = (
+        {f"torch {packages.get('torch', '?')} (CUDA {torch_cuda})": int(torch_cuda.split(".")[0])}
+        if torch_cuda
+        else {}
+    )
+    for name, version in sorted(packages.items()):
+        match = CUDA_WHEEL.search(name)
+        if match:
+            needs[f"{name} {version}"] = int(match.group(1))
+    return needs
+
+
+def driver_check(node: str, nvidia_smi: str | None, needs: dict[str, int]) -> Check:
+    """The node's driver against the newest CUDA major the venv's wheels were built for."""
+    if not needs:
+        return Check(f"driver on {node}", "PASS", "the venv holds no CUDA build")
+    header = SMI_HEADER.search(nvidia_smi or "")
+    if header is None:
+        fix = "run on GPU nodes (the profile's partition and constraint)"
+        return Check(f"driver on {node}", "FAIL", "no NVIDIA driver (nvidia-smi missing or silent)", fix)
+    driver, supports = header.group(1), header.group(2)
+    major = max(needs.values())
+    newest = [package for package, m in needs.items() if m == major]
+    named = [p for p in newest if p.startswith(("torch ", "transformer_engine", "vllm"))] or newest[:1]
+    rest = len(newest) - len(named)
+    packages = ", ".join(named) + (f" and {rest} more CUDA {major} wheels" if rest else "")
+    need = MIN_DRIVER.get(major)
+    detail = f"driver {driver} (CUDA {supports})"
+    if need and version_tuple(driver) < version_tuple(need):
+        fix = f"a newer driver, or a venv built for the node's CUDA {supports.split('.')[0]}"
+        return Check(
+            f"driver on {node}", "FAIL", f"{packages} need driver >= {need}, the node has {detail}", fix
+        )
+    return Check(f"driver on {node}", "PASS", f"{detail} runs {packages}")
+
+
+def gpu_check(node: str, nvidia_smi: str | None, gpus_per_node: int, gpu_memory_gib: float) -> Check:
+    """The GPUs nvidia-smi lists (name, MiB) against the profile's count and memory."""
+    rows = (nvidia_smi or "").split("--query-gpu=name,memory.total\n", 1)[-1] if nvidia_smi else ""
+    gpus = [row.rsplit(",", 1) for row in rows.splitlines() if "," in row]
+    seen = ", ".join(f"{name.strip()} {float(mib) / 1024:.0f} GiB" for name, mib in gpus) or "none"
+    fix = "fix the profile's gpus_per_node / gpu_memory_gib, or its partition and constraint"
+    if len(gpus) != gpus_per_node:
+        return Check(
+            f"GPUs on {node}", "FAIL", f"{len(gpus)} seen ({seen}), the profile says {gpus_per_node}", fix
+        )
+    short = [name for name, mib in gpus if float(mib) / 1024 < 0.95 * gpu_memory_gib]
+    if short:
+        return Check(f"GPUs on {node}", "FAIL", f"{seen}: less than the profile's {gpu_memory_gib} GiB", fix)
+    return Check(f"GPUs on {node}", "PASS", seen if gpus else "none, as the profile says")
+
+
+def python_check(facts: dict, here: dict) -> Check:
+    """The node runs the Python the submitting host does (the jobs use the one that submitted them),
+    on a glibc the lock's manylinux_2_28 wheels load on."""
+    node = facts["host"]
+    glibc = tuple(int(x) for x in facts["glibc"].split()[-1].split(".")[:2])
+    if (facts["executable"], facts["python"]) != (here["executable"], here["python"]):
+        theirs, ours = (f"{f['executable']} {f['python']}" for f in (facts, here))
+        detail = f"{theirs} where this host has {ours}"
+        return Check(
+            f"Python on {node}",
+            "FAIL",
+            detail,
+            "the venv on a file system every node mounts at the same path",
+        )
+    if glibc < (2, 28):
+        return Check(
+            f"Python on {node}", "FAIL", f"{facts['glibc']}: the wheels need glibc 2.28", "a newer OS image"
+        )
+    return Check(f"Python on {node}", "PASS", f"{facts['python']} at {facts['executable']}, {facts['glibc']}")
+
+
+def bandwidth_check(
+    nodes: int, bench: dict | None, expected_gbs: float | None, transport: str | None
+) -> Check:
+    """The all_reduce between the nodes against the profile's expected bus bandwidth; NCCL on
+    plain sockets fails whatever the figure."""
+    name = f"all_reduce across {nodes} nodes"
+    if bench is None:
+        return Check(name, "FAIL", "the probe job measured nothing (its output is in the doctor directory)")
+    best = max(row["busbw_GBps"] for row in bench["results"]["all_reduce"])
+    over = f"{bench['backend']}" + (f" over {transport}" if transport else "")
+    detail = f"{best:.3f} GB/s bus bandwidth ({over})"
+    if transport == "Socket":
+        return Check(
+            name,
+            "FAIL",
+            f"{detail}: NCCL fell back to TCP sockets",
+            "load the fabric's NCCL plugin (aws-ofi-nccl) and set NCCL_NET",
+        )
+    if expected_gbs is not None and best < expected_gbs:
+        expected = f"the profile expects at least {expected_gbs} GB/s (expected_bus_gbs)"
+        fix = "check the links between the nodes (shaping, a failed NIC, the wrong interface)"
+        return Check(name, "FAIL", f"{detail}, {expected}", fix)
+    return Check(name, "PASS", detail + (f", at least {expected_gbs} GB/s expected" if expected_gbs else ""))
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))

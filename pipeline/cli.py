@@ -81,6 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     sb.set_defaults(func=cmd_submit)
 
+    dr = sub.add_parser(
+        "doctor", help="probe a cluster profile with one short job: PASS / WARN / FAIL checks"
+    )
+    dr.add_argument("config")
+    dr.add_argument("--cluster", required=True, help="profile name in slurm/profiles/ or a YAML path")
+    dr.add_argument("--nodes", type=int, help=NODES_HELP)
+    dr.add_argument(
+        "--run-dir",
+        help="where the run would write (default: runs/<name>); the probe's files go to its doctor/",
+    )
+    dr.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    dr.set_defaults(func=cmd_doctor)
+
     sw = sub.add_parser("sweep", help="weak scaling: one run per GPU count, the batch per GPU fixed")
     sw.add_argument("config")
     sw.add_argument("--gpus", required=True, help="GPU (rank) counts, comma-separated, e.g. 16,32,64,128")
@@ -256,6 +269,18 @@ def cmd_submit(args) -> int:
         checks=not args.skip_checks,
     )
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from core.cluster import load_profile
+    from core.config import load_config
+    from core.rundir import RunDir
+    from pipeline.doctor import doctor
+
+    cfg = load_config(args.config, args.overrides)
+    run = RunDir(Path(args.run_dir or f"runs/{cfg.name}"))
+    profile = load_profile(args.cluster)
+    return doctor(cfg, Path(args.config).parent, profile, run, job_nodes(args.nodes, cfg, profile))
 
 
 def job_nodes(nodes: int | None, cfg, profile) -> int:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from core.cluster import load_profile
-from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
+from launch.sbatch import render_doctor_script, render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_launch import run_stage_in_allocation, srun_command
 from launch.verl_job import run_then_eval_on_verl
 from tests.support.system_packages import system_command
@@ -69,6 +69,26 @@ def test_rendered_scripts_pass_shellcheck(profile, nodes, tmp_path):
         [system_command("shellcheck"), "-s", "bash", str(script)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize("profile", ["perlmutter", "local-multinode"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_doctors_probe_is_valid_shell_one_task_a_node_never_requeued(profile, nodes, tmp_path):
+    """`hpcr1 doctor`'s job: one task a node with the node's every GPU, a short limit, no requeue,
+    and the all_reduce only where there is a link to time; hostile paths stay single words."""
+    script = tmp_path / "doctor.sbatch"
+    run_dir = tmp_path / "run dir; touch pwned"
+    script.write_text(render_doctor_script(load_profile(profile), run_dir / "doctor", run_dir, nodes))
+    out = subprocess.run(
+        [system_command("shellcheck"), "-s", "bash", str(script)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stdout
+    text = script.read_text()
+    assert "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --time=00:10:00" in text
+    assert "--requeue" not in text and "--signal" not in text
+    assert ("#SBATCH --gpus-per-node=4" in text) == (profile == "perlmutter")
+    assert ("launch.commbench" in text) == (nodes > 1)
+    assert shlex.quote(str(run_dir)) in text
 
 
 def test_srun_line_launches_one_worker_per_task(tmp_path):
