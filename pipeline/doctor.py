@@ -1,12 +1,13 @@
 """`hpcr1 doctor CONFIG --cluster PROFILE [--run-dir DIR]`: before a first run on a cluster, one short
 probe job on the profile (2 nodes where the config needs more than one) and a table of checks,
-each PASS, WARN or FAIL with its fix; exit 1 on any FAIL. The probe's findings and its job output
-stay in <run dir>/doctor/."""
+each PASS, WARN or FAIL with its fix; exit 1 on any FAIL. The probe's findings and its job's output
+(job.log, NCCL's INFO lines among it) stay in <run dir>/doctor/."""
 
 from __future__ import annotations
 
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from analysis.model_shape import model_shape
 from analysis.nccl_transport import detect_in_logs
 from core.atomic import atomic_write_text
 from core.cluster import ClusterProfile
-from core.config import RunConfig
+from core.config import ConfigError, RunConfig
 from core.rundir import RunDir
 from launch.sbatch import render_doctor_script
 from launch.slurm_jobs import slurm_env
@@ -38,6 +39,8 @@ def doctor(
     cfg: RunConfig, config_dir: Path, profile: ClusterProfile, run: RunDir, nodes: int, echo=print
 ) -> int:
     """Runs the checks, prints the table; 1 where any FAILed."""
+    if shutil.which("sbatch") is None:
+        raise ConfigError("--cluster", "sbatch is not on PATH: run hpcr1 doctor where Slurm's commands are")
     params = model_shape(cfg, config_dir).params()
     checks = [disk_check(run.root, run_disk(cfg, params, profile.gpus_per_node > 0))]
     probe_nodes = min(nodes, 2)
@@ -49,7 +52,7 @@ def doctor(
         detail = f"{len(facts)} of {probe_nodes} nodes reported ({found})" + (
             f": {problem}" if problem else ""
         )
-        checks.append(Check("probe job", "FAIL", detail, f"read {out / 'job.out'}"))
+        checks.append(Check("probe job", "FAIL", detail, f"read {out / 'job.log'}"))
     checks += node_checks(facts, profile)
     if probe_nodes > 1:
         transport = detect_in_logs(out)
@@ -77,18 +80,26 @@ def probe(
         "--wait",
         "--parsable",
         "--job-name=hpcr1-doctor",
-        f"--output={out / 'job.out'}",
+        f"--output={out / 'job.log'}",
         str(script),
     ]
-    job = subprocess.run(
-        cmd, capture_output=True, text=True, env=slurm_env(profile.slurm_conf), timeout=PROBE_WAIT_S
-    )
-    problem = (
-        "" if job.returncode == 0 else f"sbatch --wait exited {job.returncode} {job.stderr.strip()[-300:]}"
-    )
+    problem = wait_for_job(cmd, profile)
     facts = [json.loads(p.read_text()) for p in sorted(out.glob("node-*.json"))]
     bench = out / "commbench.json"
-    return facts, json.loads(bench.read_text()) if bench.is_file() else None, problem.strip()
+    return facts, json.loads(bench.read_text()) if bench.is_file() else None, problem
+
+
+def wait_for_job(cmd: list[str], profile: ClusterProfile) -> str:
+    """`sbatch --wait`'s run of the probe: '' where the job succeeded, else what went wrong."""
+    try:
+        job = subprocess.run(
+            cmd, capture_output=True, text=True, env=slurm_env(profile.slurm_conf), timeout=PROBE_WAIT_S
+        )
+    except subprocess.TimeoutExpired:
+        return f"the job had not ended after {PROBE_WAIT_S} s (still queued? squeue -n hpcr1-doctor)"
+    return (
+        "" if job.returncode == 0 else f"sbatch --wait exited {job.returncode}: {job.stderr.strip()[-300:]}"
+    )
 
 
 def node_checks(facts: list[dict], profile: ClusterProfile) -> list[Check]:

@@ -70,3 +70,21 @@ def test_a_node_with_another_python_or_an_old_glibc_fails():
     assert python_check({**node, "python": "3.11.7"}, here).verdict == "FAIL"
     old = python_check({**node, "glibc": "glibc 2.17"}, here)
     assert old.verdict == "FAIL" and "2.28" in old.detail
+
+
+def test_doctor_without_slurms_commands_is_refused_naming_the_cluster(tmp_path, monkeypatch, capsys):
+    from pipeline.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch
+    argv = [
+        "doctor",
+        str(REPO / "configs" / "tiny-cpu.yaml"),
+        "--cluster",
+        "local",
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcr1: error: --cluster: sbatch is not on PATH") and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()
