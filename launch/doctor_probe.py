@@ -48,10 +48,18 @@ def installed() -> dict[str, str]:
 
 
 def free_room(path: Path) -> dict:
+    """The file system `path` will be made on (its nearest existing parent): free bytes and inodes;
+    `counts_inodes` false where it keeps no inode count (btrfs reports 0 files)."""
+    path = path.resolve()
     while not path.exists():
         path = path.parent
     fs = os.statvfs(path)
-    return {"path": str(path), "free_bytes": fs.f_bavail * fs.f_frsize, "free_inodes": fs.f_favail}
+    return {
+        "path": str(path),
+        "free_bytes": fs.f_bavail * fs.f_frsize,
+        "free_inodes": fs.f_favail,
+        "counts_inodes": fs.f_files > 0,
+    }
 
 
 def node_facts(run_dir: Path) -> dict:

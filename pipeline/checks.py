@@ -4,12 +4,12 @@ submits anyway)."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.disk import StageDisk
+from launch.doctor_probe import free_room
 
 # Below this share of room beyond the planned bytes the check warns: logs, communication profiles,
 # wandb and the caches want some too.
@@ -30,32 +30,23 @@ class Check:
 
 def disk_check(run_root: Path, planned: list[StageDisk]) -> Check:
     """The run directory's file system against the bytes and files the stages still to run write."""
-    where = existing_ancestor(run_root)
     if not planned:
         return Check("run directory space", "PASS", "every stage is done: nothing more to write")
-    fs = os.statvfs(where)
-    free, need = fs.f_bavail * fs.f_frsize, sum(s.total_bytes for s in planned)
-    files, free_files = sum(s.files for s in planned), fs.f_favail
+    room = free_room(run_root)
+    where, free, need = room["path"], room["free_bytes"], sum(s.total_bytes for s in planned)
+    files = sum(s.files for s in planned)
     largest = max(planned, key=lambda s: s.total_bytes)
     most = f"{largest.stage} {gib(largest.total_bytes)} the most"
     detail = f"{gib(need)} planned ({most}), {gib(free)} free on {where}"
     fix = "free space there, lower keep_checkpoints, or --run-dir on a larger file system"
     if free < need:
         return Check("run directory space", "FAIL", detail, fix)
-    if fs.f_files and free_files < files:  # f_files 0: the file system counts no inodes (btrfs)
-        detail = f"{files} files planned, {free_files} inodes free on {where}"
+    if room["counts_inodes"] and room["free_inodes"] < files:
+        detail = f"{files} files planned, {room['free_inodes']} inodes free on {where}"
         return Check("run directory inodes", "FAIL", detail, "free inodes there, or --run-dir elsewhere")
     if free < DISK_HEADROOM * need:
         return Check("run directory space", "WARN", detail + ": little room for logs and profiles", fix)
     return Check("run directory space", "PASS", detail)
-
-
-def existing_ancestor(path: Path) -> Path:
-    """`path`, or the nearest of its parents that exists: where the run directory will be made."""
-    path = path.resolve()
-    while not path.exists():
-        path = path.parent
-    return path
 
 
 def gib(n: int) -> str:
