@@ -104,15 +104,15 @@ def render_doctor_script(
     # a shaped one or sockets, and a slow link still ends in seconds.
     bench = [q(python), "-m", "launch.commbench", "--ops", "all_reduce", "--sizes", "64M", "--iters", "3"]
     bench += ["--warmup", "1", "--out", q(str(out_dir / "commbench.json"))]
-    return DOCTOR_TEMPLATE.read_text().format(
-        directives="\n".join(f"#SBATCH {d}" for d in kept),
-        profile=profile.name,
-        env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
-        setup="\n".join(profile.setup) or "# (no setup lines in the profile)",
-        repo=q(str(REPO)),
-        python=q(python),
+    return _render(
+        DOCTOR_TEMPLATE,
+        profile,
+        run_dir,
+        "doctor",
+        nodes,
+        python,
+        directive_lines=kept,
         out=q(str(out_dir)),
-        run_dir=q(str(run_dir)),
         commbench=f"srun {' '.join(bench)}" if nodes > 1 else "# one node: no link between nodes to time",
     )
 
@@ -128,11 +128,20 @@ def ray_cpus_option(profile: ClusterProfile) -> str:
 
 
 def _render(
-    template: Path, profile: ClusterProfile, run_dir: Path, stage_id: str, nodes: int, python: str, **extra
+    template: Path,
+    profile: ClusterProfile,
+    run_dir: Path,
+    stage_id: str,
+    nodes: int,
+    python: str,
+    directive_lines: list[str] | None = None,
+    **extra,
 ) -> str:
+    """`template` filled from the profile; `directive_lines`: #SBATCH options other than a stage's."""
     q = shlex.quote
+    lines = directives(profile, nodes) if directive_lines is None else directive_lines
     return template.read_text().format(
-        directives="\n".join(f"#SBATCH {d}" for d in directives(profile, nodes)),
+        directives="\n".join(f"#SBATCH {d}" for d in lines),
         profile=profile.name,
         env="\n".join(env_exports(profile)) or "# (no environment from the profile)",
         setup="\n".join(profile.setup) or "# (no setup lines in the profile)",
