@@ -694,14 +694,14 @@ def _check_lengths(cfg: RunConfig, positions: int | None) -> None:
 
 def _sequence_lengths(cfg: RunConfig):
     """(field to lower, longest sequence, how it is counted) for every length the config sets."""
-    stages = cfg.stages().values()
+    stages = cfg.stages()
     # A GRPO stage on verl is scored by verl's generation server with eval's settings.
     on_verl = cfg.eval.engine == "verl" or any(
-        isinstance(s, GRPOStage) and s.engine == "verl" for s in stages
+        isinstance(s, GRPOStage) and s.engine == "verl" for s in stages.values()
     )
     for engine in dict.fromkeys([cfg.eval.engine, "verl" if on_verl else cfg.eval.engine]):
         yield _generation_length("eval", cfg.eval.max_new_tokens, engine, cfg.eval.verl)
-    for sid, s in cfg.stages().items():
+    for sid, s in stages.items():
         if isinstance(s, SFTStage):
             yield f"{sid}.max_seq_len", s.max_seq_len, ""
         else:
