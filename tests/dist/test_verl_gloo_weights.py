@@ -7,6 +7,7 @@ prepare, build_topology, init_process_group, send/receive, finalize."""
 from __future__ import annotations
 
 import asyncio
+import io
 import multiprocessing
 
 import pytest
@@ -37,7 +38,10 @@ def receive(topology, out) -> None:
     async def every_weight():  # kept whole: each must outlive the buckets after it
         return [(name, tensor) async for name, tensor in engine.receive_weights()]
 
-    out.put((rank, [(name, tensor.clone()) for name, tensor in asyncio.run(every_weight())]))
+    # as bytes: a tensor put in a Queue travels as a file descriptor that dies with this process
+    buffer = io.BytesIO()
+    torch.save([(name, tensor.clone()) for name, tensor in asyncio.run(every_weight())], buffer)
+    out.put((rank, buffer.getvalue()))
     engine.finalize()
 
 
@@ -67,7 +71,9 @@ def test_the_rollout_workers_receive_the_trainers_weights_bit_for_bit():
 
         asyncio.run(helper.send_weights(helpers_weights()))
         asyncio.run(sender.send_weights(iter(weights())))
-        received = dict(out.get(timeout=60) for _ in workers)
+        received = {
+            rank: torch.load(io.BytesIO(data)) for rank, data in (out.get(timeout=60) for _ in workers)
+        }
     finally:
         for w in workers:
             w.join(timeout=60)
