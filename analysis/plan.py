@@ -346,6 +346,14 @@ def setting_lines(stage_id: str, option: Option) -> list[str]:
     return lines + [f"eval.{key}={override_value(v)}" for key, v in option.eval_settings.items()]
 
 
+def changed_lines(p: StagePlan, e: EvalConfig) -> list[str]:
+    """The planned settings at the config's nproc that differ from the stage's and `e`'s own."""
+    own = setting_lines(p.stage_id, p.configured) + [
+        f"eval.{key}={override_value(plan_search.setting(e, key))}" for key in p.planned.eval_settings
+    ]
+    return [line for line in setting_lines(p.stage_id, p.planned) if line not in own]
+
+
 def parse_gpus(text: str) -> list[int]:
     """'1,2,4' -> [1, 2, 4]; anything else is a ConfigError naming --gpus."""
     try:

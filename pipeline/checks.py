@@ -8,7 +8,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from analysis.disk import StageDisk
+from analysis.disk import StageDisk, run_disk
+from analysis.model_shape import LlamaShape
+from analysis.plan import NO_FIT, Machine, StagePlan, changed_lines, plan_stage
+from analysis.plan_report import gb
+from core.cluster import ClusterProfile
+from core.config import EvalConfig, RunConfig
 from launch.doctor_probe import free_room
 
 # Below this share of room beyond the planned bytes the check warns: logs, communication profiles,
@@ -26,6 +31,33 @@ class Check:
 
     def line(self) -> str:
         return f"{self.verdict:<4}  {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+
+
+# The native engines' prompt length the memory check assumes, as `hpcr1 plan` does by default.
+PROMPT_TOKENS = 512
+
+
+def checks_without_a_job(
+    cfg: RunConfig, run_root: Path, shape: LlamaShape, profile: ClusterProfile, stage_ids: list[str]
+) -> list[tuple[str, Check]]:
+    """(the field a FAIL names, the check): each of `stage_ids`' memory on the profile's GPUs, then
+    the run directory's room for what they write."""
+    planned = run_disk(cfg, shape.params(), profile.gpus_per_node > 0, stage_ids)
+    return memory_checks(cfg, shape, profile, stage_ids) + [("--run-dir", disk_check(run_root, planned))]
+
+
+def memory_checks(
+    cfg: RunConfig, shape: LlamaShape, profile: ClusterProfile, stage_ids: list[str]
+) -> list[tuple[str, Check]]:
+    """A CPU profile has no GPU memory to check: the planner models CUDA GPUs."""
+    if not profile.gpus_per_node:
+        return []
+    machine = Machine.from_profile(profile)
+    plans = [
+        plan_stage(sid, getattr(cfg, sid), cfg, shape, machine, [cfg.nproc], PROMPT_TOKENS)
+        for sid in stage_ids
+    ]
+    return [(memory_field(p, cfg.eval), memory_check(p, machine, cfg.eval)) for p in plans]
 
 
 def disk_check(run_root: Path, planned: list[StageDisk]) -> Check:
@@ -47,6 +79,39 @@ def disk_check(run_root: Path, planned: list[StageDisk]) -> Check:
     if free < DISK_HEADROOM * need:
         return Check("run directory space", "WARN", detail + ": little room for logs and profiles", fix)
     return Check("run directory space", "PASS", detail)
+
+
+def memory_check(p: StagePlan, machine: Machine, e: EvalConfig) -> Check:
+    """A stage as configured against one GPU and one node of the profile: the planner's footprint,
+    its micro-batches' activations and the rollout's KV cache included (`hpcr1 plan`)."""
+    o, name = p.configured, f"{p.stage_id} memory"
+    fp, n = o.footprint, o.layout.gpus
+    peak = f" (peak: {fp.peak_phase()})" if fp.phases else ""
+    # in GB, as `hpcr1 plan` prints them
+    detail = f"{gb(fp.gpu_bytes())} GB a GPU{peak} and {gb(fp.host_bytes())} GB a node at nproc={n}"
+    if o.verdict != NO_FIT:
+        caveats = f": {'; '.join(o.caveats)}" if o.caveats else ""
+        return Check(name, "WARN" if o.caveats else "PASS", detail + caveats)
+    over = [
+        f"{what} above the {gb(usable)} GB usable of {where}"
+        for what, used, usable, where in (
+            ("GPU", fp.gpu_bytes(), machine.usable_gpu, f"one {machine.gpu_name}"),
+            ("host", fp.host_bytes(), machine.usable_host, "a node"),
+        )
+        if used > usable
+    ]
+    why = "; ".join(over + list(fp.refusals))
+    if p.planned.verdict == NO_FIT:
+        fix = f"no layout fits at nproc={n}: more GPUs (`hpcr1 plan` gives the counts that fit)"
+    else:
+        fix = "`hpcr1 plan` fits it with " + " ".join(changed_lines(p, e))
+    return Check(name, "FAIL", f"{detail}: {why}", fix)
+
+
+def memory_field(p: StagePlan, e: EvalConfig) -> str:
+    """The config field a memory FAIL names: the planner's first change, else the GPU count."""
+    lines = [] if p.planned.verdict == NO_FIT else changed_lines(p, e)
+    return lines[0].split("=", 1)[0] if lines else "nproc"
 
 
 def gib(n: int) -> str:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from analysis.disk import run_disk
 from analysis.model_shape import model_shape
 from analysis.nccl_transport import detect_in_logs
 from core.atomic import atomic_write_text
@@ -24,12 +23,13 @@ from launch.slurm_jobs import slurm_env
 from pipeline.checks import (
     Check,
     bandwidth_check,
+    checks_without_a_job,
     cuda_needs,
-    disk_check,
     driver_check,
     gpu_check,
     python_check,
 )
+from pipeline.submit import resolve_layouts
 
 # The probe job asks for 10 minutes; a queue may hold it longer before it starts.
 PROBE_WAIT_S = 3600
@@ -41,8 +41,9 @@ def doctor(
     """Runs the checks, prints the table; 1 where any FAILed."""
     if shutil.which("sbatch") is None:
         raise ConfigError("--cluster", "sbatch is not on PATH: run hpcr1 doctor where Slurm's commands are")
-    params = model_shape(cfg, config_dir).params()
-    checks = [disk_check(run.root, run_disk(cfg, params, profile.gpus_per_node > 0))]
+    cfg = resolve_layouts(cfg, config_dir, profile, nodes, echo)  # as submit would lay them out
+    shape, stage_ids = model_shape(cfg, config_dir), list(cfg.stages())
+    checks = [check for _, check in checks_without_a_job(cfg, run.root, shape, profile, stage_ids)]
     probe_nodes = min(nodes, 2)
     echo(f"probing {probe_nodes} node(s) of {profile.name} (one short job)...")
     out = run.root / "doctor"

@@ -12,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 from analysis.auto_layout import auto_fields, resolve_auto_layouts
-from analysis.disk import run_disk
 from analysis.model_shape import model_shape
 from analysis.native_fit import overflow_message, too_large
 from core.atomic import atomic_write_text
@@ -25,7 +24,7 @@ from launch.sbatch import render_stage_script, render_verl_script, sbatch_comman
 from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import nccl_plugin_problem, requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
-from pipeline.checks import disk_check
+from pipeline.checks import checks_without_a_job
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.runlock import hold_run_dir, holder_after
 from runtime.rank_failure import record_exception
@@ -92,17 +91,18 @@ def refuse_failed_checks(
     cfg: RunConfig, run: RunDir, config_dir: Path, profile: ClusterProfile, only, echo, refuse: bool = True
 ):
     """The checks that need no job (pipeline/checks.py), on the stages not yet done: a WARN is said,
-    a FAIL refuses the submission with its line (a dry run, which submits nothing, says it)."""
+    the first FAIL refuses the submission naming its field, any others said before it (a dry run,
+    which submits nothing, says them all)."""
     done = {sid for sid, entry in Manifest(run.root).data["stages"].items() if entry.get("state") == "done"}
     to_run = [sid for sid in cfg.stages() if (not only or sid in only) and sid not in done]
-    params = model_shape(cfg, config_dir).params()
-    check = disk_check(run.root, run_disk(cfg, params, profile.gpus_per_node > 0, to_run))
-    if check.verdict == "FAIL" and refuse:
-        raise ConfigError(
-            "--run-dir", f"{check.name} {check.verdict}: {check.detail} -> {check.fix} (or --skip-checks)"
-        )
-    if check.verdict != "PASS":
-        echo(check.line())
+    checks = checks_without_a_job(cfg, run.root, model_shape(cfg, config_dir), profile, to_run)
+    failed = [(field, check) for field, check in checks if check.verdict == "FAIL"] if refuse else []
+    for _, check in checks:
+        if check.verdict != "PASS" and check is not (failed[0][1] if failed else None):
+            echo(check.line())
+    if failed:
+        field, check = failed[0]
+        raise ConfigError(field, f"{check.name} FAIL: {check.detail} -> {check.fix} (or --skip-checks)")
 
 
 def _submit_stages(
