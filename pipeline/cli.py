@@ -182,7 +182,8 @@ def add_skip_checks_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-checks",
         action="store_true",
-        help="submit even where a check fails (the run directory's room for the planned checkpoints)",
+        help="submit even where a check fails (each stage's memory on the profile's GPUs, the run "
+        "directory's room for the planned checkpoints)",
     )
 
 
