@@ -303,10 +303,9 @@ def plan_stage(
 
     configured = judged(cfg.nproc, plan_search.configured(stage))
     options = [search(n) for n in gpus]
+    planned = options[gpus.index(cfg.nproc)] if cfg.nproc in gpus else search(cfg.nproc)
     order = plan_search.order_key(stage)
-    return StagePlan(
-        stage_id, kind_of(stage), engine_text(stage), options, configured, search(cfg.nproc), order
-    )
+    return StagePlan(stage_id, kind_of(stage), engine_text(stage), options, configured, planned, order)
 
 
 def plan(

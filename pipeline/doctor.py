@@ -41,7 +41,7 @@ def doctor(
     """Runs the checks, prints the table; 1 where any FAILed."""
     if shutil.which("sbatch") is None:
         raise ConfigError("--cluster", "sbatch is not on PATH: run hpcr1 doctor where Slurm's commands are")
-    cfg = resolve_layouts(cfg, config_dir, profile, nodes, echo)  # as submit would lay them out
+    cfg = resolve_layouts(cfg, config_dir, profile, nodes, lambda _: None)  # as submit lays them out
     shape, stage_ids = model_shape(cfg, config_dir), list(cfg.stages())
     checks = [check for _, check in checks_without_a_job(cfg, run.root, shape, profile, stage_ids)]
     probe_nodes = min(nodes, 2)
