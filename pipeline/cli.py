@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="print the fully resolved config")
     show.add_argument("config")
+    show.add_argument(
+        "--cluster", help="also lay it out for this profile and check each stage's memory on its GPUs"
+    )
     show.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     show.set_defaults(func=cmd_config)
 
@@ -367,8 +370,29 @@ def cmd_stage(args) -> int:
 def cmd_config(args) -> int:
     from core.config import dump_config, load_config
 
-    print(dump_config(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    if args.cluster:
+        cfg = checked_on(cfg, Path(args.config).parent, args.cluster)
+    print(dump_config(cfg), end="")
     return 0
+
+
+def checked_on(cfg, config_dir: Path, cluster: str):
+    """`cfg` laid out as `hpcr1 submit` lays it out on the profile, its memory checked there: a
+    FAIL is a ConfigError (exit 2), a WARN is said on stderr."""
+    from analysis.model_shape import model_shape
+    from core.cluster import load_profile
+    from pipeline.checks import memory_checks
+    from pipeline.submit import refuse_first_fail, resolve_layouts
+
+    profile = load_profile(cluster)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    cfg = resolve_layouts(cfg, config_dir, profile, job_nodes(None, cfg, profile), say)
+    refuse_first_fail(memory_checks(cfg, model_shape(cfg, config_dir), profile, list(cfg.stages())), say)
+    return cfg
 
 
 def cmd_plan(args) -> int:

@@ -24,7 +24,7 @@ from launch.sbatch import render_stage_script, render_verl_script, sbatch_comman
 from launch.slurm_jobs import recorded_conf, slurm_env
 from launch.slurm_launch import nccl_plugin_problem, requeue_self
 from launch.verl_job import check_verl_job, verl_launcher
-from pipeline.checks import checks_without_a_job
+from pipeline.checks import Check, checks_without_a_job
 from pipeline.driver import StagePreempted, check_run, run_stage, stages_to_run, write_run
 from pipeline.runlock import hold_run_dir, holder_after
 from runtime.rank_failure import record_exception
@@ -96,6 +96,11 @@ def refuse_failed_checks(
     done = {sid for sid, entry in Manifest(run.root).data["stages"].items() if entry.get("state") == "done"}
     to_run = [sid for sid in cfg.stages() if (not only or sid in only) and sid not in done]
     checks = checks_without_a_job(cfg, run.root, model_shape(cfg, config_dir), profile, to_run)
+    refuse_first_fail(checks, echo, refuse)
+
+
+def refuse_first_fail(checks: list[tuple[str, Check]], echo, refuse: bool = True) -> None:
+    """Says every check but a PASS; the first FAIL (where `refuse`) is a ConfigError naming its field."""
     failed = [(field, check) for field, check in checks if check.verdict == "FAIL"] if refuse else []
     for _, check in checks:
         if check.verdict != "PASS" and check is not (failed[0][1] if failed else None):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from pipeline.cli import main
 from tests.conftest import REPO
@@ -77,3 +78,17 @@ def test_the_shipped_configs_fit_their_profiles(tmp_path, data_files, capsys, co
     assert submit(tmp_path, data_files, "--dry-run", config=config, cluster=cluster, nodes=nodes) == 0
     out = capsys.readouterr().out
     assert not memory_lines(out), out
+
+
+def test_config_on_a_cluster_refuses_what_submit_refuses_and_prints_the_laid_out_config(data_files, capsys):
+    model = f"model.path={REPO / 'configs' / 'models' / 'llama-3.1-8b'}"
+    argv = ["config", str(CONFIG_8B), "--cluster", "perlmutter", model, *data_files]
+    too_large = ("stage1_sft.micro_batch_size=64", "stage1_sft.global_batch_size=512")
+    assert main([*argv, *too_large]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "hpcr1: error: stage1_sft.micro_batch_size: stage1_sft memory FAIL: " in err, err
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    resolved = yaml.safe_load(out)
+    assert resolved["stage1_sft"]["micro_batch_size"] == 1 and "Traceback" not in err
+    assert resolved["eval"]["verl"]["rollout_tp"] == 1  # 'auto', laid out as submit lays it out
