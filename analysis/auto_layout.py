@@ -7,6 +7,7 @@ where they always were."""
 from __future__ import annotations
 
 from analysis import plan_search
+from analysis.memory import PROMPT_TOKENS
 from analysis.model_shape import LlamaShape
 from analysis.plan import NO_FIT, Machine, plan
 from analysis.plan_search import with_settings
@@ -49,7 +50,7 @@ def smallest_layouts(cfg: RunConfig, shape: LlamaShape, gpus: int, gpus_per_node
 
 
 def resolve_auto_layouts(
-    cfg: RunConfig, shape: LlamaShape, profile: ClusterProfile, gpus: int, prompt_tokens: int = 512
+    cfg: RunConfig, shape: LlamaShape, profile: ClusterProfile, gpus: int, prompt_tokens: int = PROMPT_TOKENS
 ) -> tuple[RunConfig, list[str]]:
     """`cfg` with its 'auto' fields set for a job of `gpus` GPUs, and a line for each: what it became
     and who chose it."""

@@ -227,6 +227,10 @@ class Footprint:
         return sum(t.bytes for t in self.host)
 
 
+# The native engines' prompt length a plan assumes where none is given (`hpcr1 plan --prompt-tokens`).
+PROMPT_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class Site:
     """What a footprint needs besides the model, the stage and the layout."""
@@ -236,7 +240,7 @@ class Site:
     gpus_per_node: int
     runtime_per_rank: float
     """Host bytes of each rank's CUDA context, Python and libraries."""
-    prompt_tokens: int = 512
+    prompt_tokens: int = PROMPT_TOKENS
     """Prompt length of the native engines (verl's is its max_prompt_length)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """The held-out eval that follows an SFT stage."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from analysis.disk import StageDisk, run_disk
+from analysis.memory import PROMPT_TOKENS
 from analysis.model_shape import LlamaShape
 from analysis.plan import NO_FIT, Machine, StagePlan, changed_lines, plan_stage
 from analysis.plan_report import gb
@@ -33,10 +34,6 @@ class Check:
         return f"{self.verdict:<4}  {self.name}: {self.detail}" + (f" -> {self.fix}" if self.fix else "")
 
 
-# The native engines' prompt length the memory check assumes, as `hpcr1 plan` does by default.
-PROMPT_TOKENS = 512
-
-
 def checks_without_a_job(
     cfg: RunConfig, run_root: Path, shape: LlamaShape, profile: ClusterProfile, stage_ids: list[str]
 ) -> list[tuple[str, Check]]:
@@ -57,7 +54,7 @@ def memory_checks(
         plan_stage(sid, getattr(cfg, sid), cfg, shape, machine, [cfg.nproc], PROMPT_TOKENS)
         for sid in stage_ids
     ]
-    return [(memory_field(p, cfg.eval), memory_check(p, machine, cfg.eval)) for p in plans]
+    return [memory_check(p, machine, cfg.eval) for p in plans]
 
 
 def disk_check(run_root: Path, planned: list[StageDisk]) -> Check:
@@ -81,9 +78,10 @@ def disk_check(run_root: Path, planned: list[StageDisk]) -> Check:
     return Check("run directory space", "PASS", detail)
 
 
-def memory_check(p: StagePlan, machine: Machine, e: EvalConfig) -> Check:
+def memory_check(p: StagePlan, machine: Machine, e: EvalConfig) -> tuple[str, Check]:
     """A stage as configured against one GPU and one node of the profile: the planner's footprint,
-    its micro-batches' activations and the rollout's KV cache included (`hpcr1 plan`)."""
+    its micro-batches' activations and the rollout's KV cache included (`hpcr1 plan`). With it, the
+    field a FAIL names: the planner's first change, else the GPU count."""
     o, name = p.configured, f"{p.stage_id} memory"
     fp, n = o.footprint, o.layout.gpus
     peak = f" (peak: {fp.peak_phase()})" if fp.phases else ""
@@ -91,7 +89,7 @@ def memory_check(p: StagePlan, machine: Machine, e: EvalConfig) -> Check:
     detail = f"{gb(fp.gpu_bytes())} GB a GPU{peak} and {gb(fp.host_bytes())} GB a node at nproc={n}"
     if o.verdict != NO_FIT:
         caveats = f": {'; '.join(o.caveats)}" if o.caveats else ""
-        return Check(name, "WARN" if o.caveats else "PASS", detail + caveats)
+        return "nproc", Check(name, "WARN" if o.caveats else "PASS", detail + caveats)
     over = [
         f"{what} above the {gb(usable)} GB usable of {where}"
         for what, used, usable, where in (
@@ -101,17 +99,12 @@ def memory_check(p: StagePlan, machine: Machine, e: EvalConfig) -> Check:
         if used > usable
     ]
     why = "; ".join(over + list(fp.refusals))
-    if p.planned.verdict == NO_FIT:
-        fix = f"no layout fits at nproc={n}: more GPUs (`hpcr1 plan` gives the counts that fit)"
-    else:
-        fix = "`hpcr1 plan` fits it with " + " ".join(changed_lines(p, e))
-    return Check(name, "FAIL", f"{detail}: {why}", fix)
-
-
-def memory_field(p: StagePlan, e: EvalConfig) -> str:
-    """The config field a memory FAIL names: the planner's first change, else the GPU count."""
-    lines = [] if p.planned.verdict == NO_FIT else changed_lines(p, e)
-    return lines[0].split("=", 1)[0] if lines else "nproc"
+    changes = [] if p.planned.verdict == NO_FIT else changed_lines(p, e)
+    if changes:
+        fix = "`hpcr1 plan` fits it with " + " ".join(changes)
+        return changes[0].split("=", 1)[0], Check(name, "FAIL", f"{detail}: {why}", fix)
+    fix = f"no layout fits at nproc={n}: more GPUs (`hpcr1 plan` gives the counts that fit)"
+    return "nproc", Check(name, "FAIL", f"{detail}: {why}", fix)
 
 
 def gib(n: int) -> str:

@@ -149,9 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument(
         "--gpu-memory-gib", type=float, help="instead of the profile's (80: Perlmutter's hbm80g nodes)"
     )
-    pl.add_argument(
-        "--prompt-tokens", type=int, default=512, help="prompt length assumed for GRPO and generation"
-    )
+    pl.add_argument("--prompt-tokens", type=int, help="prompt length assumed for GRPO and generation")
     pl.add_argument("--json", action="store_true", help="print JSON instead of text")
     pl.add_argument("--out", help="the Markdown plan (default: plan-<name>.md here)")
     pl.add_argument(
@@ -398,6 +396,7 @@ def checked_on(cfg, config_dir: Path, cluster: str):
 def cmd_plan(args) -> int:
     from analysis import plan_report
     from analysis.auto_layout import smallest_layouts
+    from analysis.memory import PROMPT_TOKENS
     from analysis.model_shape import model_shape
     from analysis.plan import Machine, overrides, parse_gpus, plan
     from analysis.plan_search import with_settings
@@ -407,8 +406,9 @@ def cmd_plan(args) -> int:
     from core.config import ConfigError, load_config
 
     gpus = parse_gpus(args.gpus)
-    if args.prompt_tokens < 1:
-        raise ConfigError("--prompt-tokens", f"must be at least 1 (got {args.prompt_tokens})")
+    prompt_tokens = PROMPT_TOKENS if args.prompt_tokens is None else args.prompt_tokens
+    if prompt_tokens < 1:
+        raise ConfigError("--prompt-tokens", f"must be at least 1 (got {prompt_tokens})")
     if args.gpu_memory_gib is not None and args.gpu_memory_gib <= 0:
         raise ConfigError("--gpu-memory-gib", f"must be positive (got {args.gpu_memory_gib})")
     cfg = load_config(args.config, args.overrides, data_files=False)
@@ -417,8 +417,8 @@ def cmd_plan(args) -> int:
     machine = Machine.from_profile(profile, args.gpu_memory_gib)
     # 'auto' layouts: the planner searches them; as "configured", the smallest (what it tries first)
     cfg = with_settings(cfg, smallest_layouts(cfg, shape, cfg.nproc, profile.verl_gpus_per_node()))
-    plans = plan(cfg, shape, machine, gpus, args.prompt_tokens)
-    splits = plan_splits(cfg, shape, machine, args.prompt_tokens)
+    plans = plan(cfg, shape, machine, gpus, prompt_tokens)
+    splits = plan_splits(cfg, shape, machine, prompt_tokens)
     out = Path(args.out or f"plan-{cfg.name}.md")
     atomic_write_text(out, plan_report.render_markdown(cfg.name, shape, machine, plans, splits))
     if args.json:

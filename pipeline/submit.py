@@ -96,18 +96,19 @@ def refuse_failed_checks(
     done = {sid for sid, entry in Manifest(run.root).data["stages"].items() if entry.get("state") == "done"}
     to_run = [sid for sid in cfg.stages() if (not only or sid in only) and sid not in done]
     checks = checks_without_a_job(cfg, run.root, model_shape(cfg, config_dir), profile, to_run)
-    refuse_first_fail(checks, echo, refuse)
+    refuse_first_fail(checks, echo, refuse, " (or --skip-checks)")
 
 
-def refuse_first_fail(checks: list[tuple[str, Check]], echo, refuse: bool = True) -> None:
-    """Says every check but a PASS; the first FAIL (where `refuse`) is a ConfigError naming its field."""
-    failed = [(field, check) for field, check in checks if check.verdict == "FAIL"] if refuse else []
+def refuse_first_fail(checks: list[tuple[str, Check]], echo, refuse: bool = True, way_past: str = "") -> None:
+    """Says every check but a PASS; the first FAIL (where `refuse`) is a ConfigError naming its field
+    instead, `way_past` after its fix."""
+    first = next(((f, c) for f, c in checks if c.verdict == "FAIL"), None) if refuse else None
     for _, check in checks:
-        if check.verdict != "PASS" and check is not (failed[0][1] if failed else None):
+        if check.verdict != "PASS" and (first is None or check is not first[1]):
             echo(check.line())
-    if failed:
-        field, check = failed[0]
-        raise ConfigError(field, f"{check.name} FAIL: {check.detail} -> {check.fix} (or --skip-checks)")
+    if first:
+        field, check = first
+        raise ConfigError(field, f"{check.name} FAIL: {check.detail} -> {check.fix}{way_past}")
 
 
 def _submit_stages(
