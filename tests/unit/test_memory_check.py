@@ -1,7 +1,8 @@
 """`hpcr1 submit` checks each stage as configured against the profile's GPUs and nodes with the
 planner's footprint (its micro-batches' activations and the rollout's KV cache included), before
 anything is written or queued: a FAIL refuses naming the field the planner would change and the
-figures, the dry run prints it, --skip-checks submits anyway; the shipped configs pass."""
+figures, the dry run prints it, --skip-checks submits anyway; the shipped configs pass.
+`hpcr1 config --cluster` runs the same check on the config laid out as submit lays it out."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def submit(tmp_path, data_files, *args, config=CONFIG_8B, cluster="perlmutter", 
     return main([*argv, "--run-dir", str(tmp_path / "run"), f"model.path={model}", *data_files, *args])
 
 
-def memory_lines(err: str, verdict: str = "FAIL") -> list[str]:
-    return [line for line in err.splitlines() if line.startswith(verdict) and " memory: " in line]
+def memory_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("FAIL") and " memory: " in line]
 
 
 # One per stage kind and engine: only a batch or a cache is changed from the shipped 8B config.
