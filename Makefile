@@ -111,11 +111,15 @@ setup-twin: .venv-twin/.done
 	$(TWIN_PIP) install -q --no-deps -e .
 	touch $@
 
-# Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests.
+# Open MPI and Slurm (slurm/local/install.sh, Open MPI first), shellcheck and Chromium for the tests,
+# and podman with the image the container tests run stages in (tests/support/podman_image.sh).
 system-packages:
 	slurm/local/install.sh
 	@command -v shellcheck >/dev/null && command -v chromium >/dev/null || \
 	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends shellcheck chromium >/dev/null)
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
+	  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null)
+	tests/support/podman_image.sh
 
 run: setup
 	.venv/bin/hpcr1 run $(CONFIG)

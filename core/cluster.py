@@ -112,6 +112,37 @@ class RayPorts(Section):
         }
 
 
+ContainerRuntime = Literal["podman", "podman-hpc", "apptainer", "singularity", "pyxis"]
+
+
+class Container(Section):
+    """A container every srun step of the profile's jobs runs in (the ranks, Ray, the doctor's probes),
+    with the project and the run directory mounted at their own paths (launch/container.py). The
+    batch script and the stage driver stay on the node, where srun is: the driver's Python (the
+    venv's) must be there, the image holding what the ranks need beyond the mounted project."""
+
+    runtime: ContainerRuntime
+    """'podman' or 'podman-hpc' (`run`), 'apptainer' or 'singularity' (`exec`), or 'pyxis' (srun's
+    --container-image)."""
+    image: str = Field(min_length=1)
+    """The image: a podman image name, an apptainer .sif path, or pyxis's image (a squashfs file or
+    a registry reference enroot can import)."""
+    mounts: list[str] = []
+    """More host directories mounted at the same path, e.g. the Python installation the venv was made
+    from, or the site's software tree."""
+    options: list[str] = []
+    """More options to the runtime (after `run` or `exec`; for pyxis, to srun), e.g. '--gpu' for
+    podman-hpc or '--nv' for apptainer."""
+
+    @field_validator("mounts")
+    @classmethod
+    def _absolute(cls, values):
+        for value in values:
+            if not value.startswith("/") or ":" in value or "," in value:
+                raise ValueError(f"{value!r} is not an absolute path without ':' or ','")
+        return values
+
+
 class ClusterProfile(Section):
     name: str
     """Profile name (the --cluster value)."""
@@ -170,6 +201,8 @@ class ClusterProfile(Section):
     for one whose clients do not find theirs (the local ones); unset: the clients' own lookup."""
     ray: RayPorts = RayPorts()
     """Ports and start-up timeout of the Ray cluster a verl GRPO stage starts on its allocation."""
+    container: Container | None = None
+    """The container the jobs' srun steps run in; None: on the node as it is."""
     verl_platform: Literal["gpu", "cpu"] = "gpu"
     """Where verl's trainer and generation server run: 'gpu' (vLLM or SGLang rollouts, NCCL), or
     'cpu', a test platform for clusters without GPUs (stages/engines/verl_cpu.py): gloo ranks, a

@@ -1,7 +1,8 @@
 """What `hpcr1 doctor`'s probe job finds on a node: `python -m launch.doctor_probe OUT_DIR`, one task a
 node, writes OUT_DIR/node-<host>.json with the node's GPUs and driver (nvidia-smi's own words), the
-Python, glibc and venv the stage jobs run, the CUDA builds in that venv, and the free room of the
-run directory's and the node-local scratch's file systems. pipeline/checks.py judges them."""
+container, Python, glibc and venv the stage jobs' steps run in, the CUDA builds in that venv, and the
+free room of the run directory's and the node-local scratch's file systems. pipeline/checks.py judges
+them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from launch.container import container_here
 
 # Where a node's caches go (Triton, torch extensions, Ray's spill): TMPDIR where the site sets one.
 SCRATCH_VARS = ("TMPDIR", "SLURM_TMPDIR")
@@ -66,6 +69,7 @@ def node_facts(run_dir: Path) -> dict:
     scratch = {var: free_room(Path(os.environ[var])) for var in SCRATCH_VARS if os.environ.get(var)}
     return {
         "host": socket.gethostname(),
+        "container": container_here(),
         "python": platform.python_version(),
         "executable": sys.executable,
         "glibc": os.confstr("CS_GNU_LIBC_VERSION"),

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from core.cluster import COLLECTIVE_TIMEOUT_ENV, ClusterProfile
+from launch.container import array_lines, export_line, step_words
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
 VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
@@ -112,8 +113,11 @@ def render_doctor_script(
         nodes,
         python,
         directive_lines=kept,
+        mounts=(out_dir,),
         out=q(str(out_dir)),
-        commbench=f"srun {' '.join(bench)}" if nodes > 1 else "# one node: no link between nodes to time",
+        commbench=f'srun "${{srun_container[@]}}" "${{in_container[@]}}" {" ".join(bench)}'
+        if nodes > 1
+        else "# one node: no link between nodes to time",
     )
 
 
@@ -135,10 +139,13 @@ def _render(
     nodes: int,
     python: str,
     directive_lines: list[str] | None = None,
+    mounts: tuple[Path, ...] = (),
     **extra,
 ) -> str:
-    """`template` filled from the profile; `directive_lines`: #SBATCH options other than a stage's."""
+    """`template` filled from the profile; `directive_lines`: #SBATCH options other than a stage's;
+    `mounts`: what the job's steps write beside the run directory, mounted in the profile's container."""
     q = shlex.quote
+    container = step_words(profile.container, [REPO, run_dir, *mounts], REPO)
     lines = directives(profile, nodes) if directive_lines is None else directive_lines
     return template.read_text().format(
         directives="\n".join(f"#SBATCH {d}" for d in lines),
@@ -150,6 +157,8 @@ def _render(
         python=q(python),
         run_dir=q(str(run_dir)),
         stage=q(stage_id),
+        container_export=export_line(container),
+        container_arrays=array_lines(container),
         **extra,
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from core.atomic import atomic_write_text
 from core.rundir import RunDir
+from launch.container import words_from_env
 from launch.local import repo_env, run_forwarding_usr1
 from launch.slurm_jobs import base_state
 from runtime.rank_failure import LOST_NODES, TORCHRUN_FAILURES
@@ -38,8 +39,9 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = Fa
     --overlap shares them all with every other step (srun(1), Slurm 21.08 on; 20.11's shared CPUs only)."""
     worker = ["-m", "launch.worker", str(run_dir), stage_id]
     srun = ["srun", "--overlap"] if overlap else ["srun"]
+    container = words_from_env()
     if launcher == "srun":
-        return [*srun, "--kill-on-bad-exit=1", "--cpu-bind=none", sys.executable, *worker]
+        return container.wrap([*srun, "--kill-on-bad-exit=1", "--cpu-bind=none"], [sys.executable, *worker])
     nodes = os.environ["SLURM_NNODES"]
     per_node = os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0]
     endpoint = f"{first_host(os.environ['SLURM_JOB_NODELIST'])}:{rendezvous_port(os.environ['SLURM_JOB_ID'])}"
@@ -47,21 +49,21 @@ def srun_command(run_dir: Path, stage_id: str, launcher: str, overlap: bool = Fa
     failures = (
         RunDir(run_dir).logs(stage_id) / f"{os.environ.get('SLURMD_NODENAME', 'node')}-{TORCHRUN_FAILURES}"
     )
-    return [
-        *srun,
-        "--kill-on-bad-exit=1",
-        "--ntasks-per-node=1",
-        sys.executable,
-        "-m",
-        "launch.torchrun",
-        str(failures),
-        f"--nnodes={nodes}",
-        f"--nproc-per-node={per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={os.environ['SLURM_JOB_ID']}",
-        *worker,
-    ]
+    return container.wrap(
+        [*srun, "--kill-on-bad-exit=1", "--ntasks-per-node=1"],
+        [
+            sys.executable,
+            "-m",
+            "launch.torchrun",
+            str(failures),
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={os.environ['SLURM_JOB_ID']}",
+            *worker,
+        ],
+    )
 
 
 # What NCCL dlopens for its network plugin when NCCL_NET_PLUGIN is unset; aws-ofi-nccl installs the

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     from core.config import load_resolved
     from core.manifest import Manifest
     from core.rundir import RunDir
+    from launch.container import container_here
     from runtime.comm_profiler import CommProfiler
     from runtime.context import StageContext
     from runtime.dist import discover_ranks, init_distributed, rank_device, shutdown_distributed
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap = CallLog()  # the MPI rank discovery's calls, made before the profiler exists
     info = init_distributed(mpi_calls=bootstrap)
     logging.getLogger("hpcr1").info(
-        "rank %d of %d on %s (%s), host %s address %s, master %s:%s, ranks from %s, pid %d",
+        "rank %d of %d on %s (%s), host %s address %s, master %s:%s, ranks from %s, pid %d, container %s",
         info.rank,
         info.world_size,
         rank_device(),
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["MASTER_PORT"],
         info.source,
         os.getpid(),
+        container_here(),
     )
     install_handlers()
     attempt = Manifest(run.root).stage(stage_id)["attempts"]

@@ -13,7 +13,7 @@ from analysis.memory import PROMPT_TOKENS
 from analysis.model_shape import LlamaShape
 from analysis.plan import NO_FIT, Machine, StagePlan, changed_lines, plan_stage
 from analysis.plan_report import gb
-from core.cluster import ClusterProfile
+from core.cluster import ClusterProfile, Container
 from core.config import EvalConfig, RunConfig
 from launch.doctor_probe import free_room
 
@@ -172,6 +172,29 @@ def gpu_check(node: str, nvidia_smi: str | None, gpus_per_node: int, gpu_memory_
     if short:
         return Check(f"GPUs on {node}", "FAIL", f"{seen}: less than the profile's {gpu_memory_gib} GiB", fix)
     return Check(f"GPUs on {node}", "PASS", seen if gpus else "none, as the profile says")
+
+
+# Runtimes that mark their containers as another does: podman-hpc's are podman's, and apptainer also
+# answers to singularity.
+SAME_MARK = {"podman-hpc": "podman", "singularity": "apptainer"}
+
+
+def container_check(node: str, seen: str, container: Container | None) -> Check:
+    """The probe's step ran in the container the profile names (launch/container.py: container_here);
+    pyxis's enroot follows no one convention, so any container will do for it."""
+    name = f"container on {node}"
+    if container is None:
+        return Check(name, "PASS", f"the profile names none (the step saw: {seen})")
+    runtime = seen.split()[0]
+    wanted = SAME_MARK.get(container.runtime, container.runtime)
+    if runtime != "none" and (container.runtime == "pyxis" or SAME_MARK.get(runtime, runtime) == wanted):
+        return Check(name, "PASS", f"{seen}, image {container.image}")
+    return Check(
+        name,
+        "FAIL",
+        f"the step ran in {seen}, the profile says {container.runtime} ({container.image})",
+        "run the profile's runtime by hand on a node (srun RUNTIME ... IMAGE true) and read its error",
+    )
 
 
 def python_check(facts: dict, here: dict) -> Check:

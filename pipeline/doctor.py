@@ -24,6 +24,7 @@ from pipeline.checks import (
     Check,
     bandwidth_check,
     checks_without_a_job,
+    container_check,
     cuda_needs,
     driver_check,
     gpu_check,
@@ -108,6 +109,7 @@ def node_checks(facts: list[dict], profile: ClusterProfile) -> list[Check]:
     checks = []
     for node in facts:
         checks.append(python_check(node, here))
+        checks.append(container_check(node["host"], node.get("container", "none"), profile.container))
         checks.append(
             gpu_check(node["host"], node["nvidia_smi"], profile.gpus_per_node, profile.gpu_memory_gib)
         )

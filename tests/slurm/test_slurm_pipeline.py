@@ -38,11 +38,11 @@ def hpcr1(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-def submit(env, tmp_path: Path, config: dict, *extra: str) -> Path:
+def submit(env, tmp_path: Path, config: dict, *extra: str, cluster: str = "local") -> Path:
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     run = tmp_path / "run"
-    hpcr1(env, "submit", str(path), "--cluster", "local", "--run-dir", str(run), *extra)
+    hpcr1(env, "submit", str(path), "--cluster", cluster, "--run-dir", str(run), *extra)
     return run
 
 
