@@ -60,16 +60,29 @@ def test_the_doctors_probe_runs_in_the_profiles_container_and_passes(slurm_env, 
     assert not list((tmp_path / "run").glob("stage*")), "the doctor runs no stage"
 
 
-def test_a_stages_ranks_run_in_the_profiles_container(slurm_env, podman_profile, tmp_path):
-    config = {**SMALL_RUN, "name": "podman", "stage1_sft": {**SMALL_RUN["stage1_sft"], "steps": 4}}
-    run = submit(slurm_env, tmp_path, config, "--only", "stage1_sft", cluster=str(podman_profile))
-    wait_for(lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"), "the stage",
-             explain=lambda: job_story(slurm_env, run, "stage1_sft"))  # fmt: skip
-    assert manifest(run)["stage1_sft"]["state"] == "done", job_story(slurm_env, run, "stage1_sft")
+def test_a_stages_ranks_run_in_the_profiles_container_and_take_the_requeues_usr1_there(
+    slurm_env, podman_profile, tmp_path
+):
+    """USR1 to the batch script, as Slurm sends before the time limit, reaches the ranks through srun
+    and podman's signal proxy: they checkpoint, the job requeues, and the second attempt resumes in
+    the container too."""
+    stage = {**SMALL_RUN["stage1_sft"], "steps": 40, "checkpoint_every": 5}
+    run = submit(slurm_env, tmp_path, {**SMALL_RUN, "name": "podman", "stage1_sft": stage}, "--only",
+                 "stage1_sft", cluster=str(podman_profile))  # fmt: skip
+    story = lambda: job_story(slurm_env, run, "stage1_sft")  # noqa: E731
+    wait_for(lambda: list((run / "stage1_sft" / "ckpt").glob("step-*")), "a checkpoint", explain=story)
+    job = manifest(run)["stage1_sft"]["job_id"]
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True)
+    wait_for(lambda: manifest(run)["stage1_sft"]["state"] in ("done", "failed"), "the stage", explain=story)
+    entry = manifest(run)["stage1_sft"]
+    assert (entry["state"], entry["attempts"]) == ("done", 2), story()
+    assert "stage1_sft: resuming from step" in "".join(
+        p.read_text() for p in (run / "stage1_sft" / "logs").glob("slurm-*.out")
+    )
     logs = run / "stage1_sft" / "logs"
     starts = [line for log in sorted(logs.glob("rank-*.log")) for line in log.read_text().splitlines()
               if " of 2 on cpu " in line]  # fmt: skip
-    assert len(starts) == 2 and all(line.endswith(", container podman") for line in starts), starts
+    assert len(starts) == 4 and all(line.endswith(", container podman") for line in starts), starts
     assert (
         json.loads((run / "stage1_sft" / "eval.json").read_text())["n"] == SMALL_RUN["eval"]["num_examples"]
     )
