@@ -3,7 +3,8 @@
 Every runtime is given the same things: the image, host directories mounted at their own paths, the
 working directory, and the environment srun gave the step (SLURM_*, MASTER_ADDR, the profile's env):
 - podman, podman-hpc: `run --rm` in the node's network, IPC and PID namespaces, so ranks meet as
-  they would outside it (the node's addresses, /dev/shm, signals, a rank's watcher reading its stack);
+  they would outside it (the node's addresses, /dev/shm, signals, a rank's watcher reading its stack),
+  the command under launch/task_guard.py, which ends it with its srun task;
 - apptainer, singularity: `exec`, which shares those namespaces and the environment by default;
 - pyxis: srun's own --container-* options (enroot), with no command in front.
 The job script exports the words as HPCR1_CONTAINER for the srun steps the stage driver starts
@@ -33,9 +34,9 @@ class StepWords:
         return [*srun, *self.srun, *self.command, *command]
 
 
-def step_words(container: Container | None, mounts: list[Path], workdir: Path) -> StepWords:
+def step_words(container: Container | None, mounts: list[Path], workdir: Path, python: str) -> StepWords:
     """`mounts`: what the job reads and writes (the project, the run directory), beside the
-    profile's own."""
+    profile's own; `python`: the one that runs launch.task_guard in podman's containers."""
     if container is None:
         return StepWords()
     paths = list(dict.fromkeys([*map(str, mounts), *container.mounts]))
@@ -64,6 +65,7 @@ def step_words(container: Container | None, mounts: list[Path], workdir: Path) -
             f"--workdir={workdir}",
             *container.options,
             container.image,
+            *(python, "-m", "launch.task_guard"),
         ]
     )
 

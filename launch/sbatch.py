@@ -20,6 +20,9 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.
 VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
 DOCTOR_TEMPLATE = TEMPLATE.with_name("doctor.sbatch")
 REPO = Path(__file__).resolve().parents[1]
+# Where Ray keeps its sessions (/tmp/ray): a Ray in the profile's container serves the batch shell's Ray
+# CLI and the stage driver, outside it, through the sockets there.
+RAY_TEMP_ROOT = Path("/tmp")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -85,6 +88,7 @@ def render_verl_script(
         verl_gpus=profile.verl_gpus_per_node(),
         verl_platform=profile.verl_platform,
         ray_cpus=ray_cpus_option(profile),
+        mounts=(RAY_TEMP_ROOT,),
         **profile.ray.model_dump(),
     )
 
@@ -145,7 +149,7 @@ def _render(
     """`template` filled from the profile; `directive_lines`: #SBATCH options other than a stage's;
     `mounts`: what the job's steps write beside the run directory, mounted in the profile's container."""
     q = shlex.quote
-    container = step_words(profile.container, [REPO, run_dir, *mounts], REPO)
+    container = step_words(profile.container, [REPO, run_dir, *mounts], REPO, python)
     lines = directives(profile, nodes) if directive_lines is None else directive_lines
     return template.read_text().format(
         directives="\n".join(f"#SBATCH {d}" for d in lines),

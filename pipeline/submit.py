@@ -55,7 +55,6 @@ def submit(
         )
     cfg = resolve_layouts(cfg, config_dir, profile, nodes, echo)
     for sid in verl_stages(cfg, only):
-        refuse_verl_in_container(profile, sid)
         check_verl_job(cfg, run, sid, nodes, profile.verl_gpus_per_node(), profile.verl_platform)
     refuse_native_overflow(cfg, config_dir, profile, only)
     if checks:
@@ -64,17 +63,6 @@ def submit(
     with hold_run_dir(run.lock, echo):
         write_run(cfg, run, task, config_dir)
         return _submit_stages(cfg, run, profile, nodes, dry_run, echo, only)
-
-
-def refuse_verl_in_container(profile: ClusterProfile, sid: str) -> None:
-    """verl's stage scripts start Ray outside the profile's container: refused, not half-contained."""
-    if profile.container is not None:
-        raise ConfigError(
-            f"{sid}.engine",
-            f"cluster profile {profile.name!r} runs its jobs' steps in a {profile.container.runtime} "
-            "container, which verl's stages (Ray and its workers) do not use yet: set this stage's engine "
-            "to 'native', or submit it with a profile without `container`",
-        )
 
 
 def resolve_layouts(cfg: RunConfig, config_dir: Path, profile: ClusterProfile, nodes: int, echo) -> RunConfig:

@@ -1,12 +1,14 @@
 """A cluster profile's container (core/cluster.py: Container, launch/container.py): the words each
 runtime gets, the job scripts that carry them (valid shell, hostile paths inert, the driver's srun
-steps wrapped as the script's own), the doctor's verdict on where its probe ran, and what is refused.
+steps wrapped as the script's own, verl's Ray in it), the doctor's verdict on where its probe ran, and
+the containers the runtimes cannot take.
 The real runs are tests/slurm/test_slurm_container.py."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,9 @@ import yaml
 from core.cluster import Container, load_profile
 from core.config import ConfigError
 from launch.container import CONTAINER_ENV, words_from_env
-from launch.sbatch import render_doctor_script, render_stage_script
+from launch.sbatch import render_doctor_script, render_stage_script, render_verl_script
 from launch.slurm_launch import srun_command
 from pipeline.checks import container_check
-from pipeline.cli import main
 from tests.conftest import REPO
 from tests.support.system_packages import system_command
 
@@ -53,6 +54,7 @@ def test_podman_runs_each_step_in_the_nodes_namespaces_with_the_project_and_run_
         "podman", "run", "--rm", "--network=host", "--ipc=host", "--pid=host", "--env-host",
         "--volume", f"{REPO}:{REPO}", "--volume", f"{run}:{run}", "--volume", "/opt/python:/opt/python",
         f"--workdir={REPO}", "--runtime=/usr/bin/runc", "site/ranks:1",
+        sys.executable, "-m", "launch.task_guard",  # ends the container with its srun task
     ]  # fmt: skip
 
 
@@ -67,7 +69,8 @@ def test_the_driver_wraps_its_srun_steps_as_the_script_says(tmp_path, monkeypatc
         words = exported_words(render_stage_script(load_profile(str(path)), run, "stage1_sft", 1))
         monkeypatch.setenv(CONTAINER_ENV, json.dumps(words))
         cmd = srun_command(run, "stage1_sft", "srun")
-        worker = cmd.index("-m") - 1  # the Python that runs launch.worker
+        worker = len(cmd) - 5  # python -m launch.worker RUN_DIR STAGE
+        assert cmd[worker:] == [sys.executable, "-m", "launch.worker", str(run), "stage1_sft"]
         assert cmd[:worker] == [
             "srun",
             "--kill-on-bad-exit=1",
@@ -129,14 +132,21 @@ def test_a_container_the_runtimes_cannot_take_is_refused_naming_the_field(tmp_pa
         load_profile(str(profile_with(tmp_path, **container)))
 
 
-def test_a_verl_stage_with_a_container_profile_is_refused_naming_its_engine(tmp_path, capsys):
-    path = profile_with(tmp_path, runtime="podman", image="ranks")
-    argv = ["submit", str(REPO / "configs/tiny-cpu.yaml"), "--cluster", str(path), "--run-dir",
-            str(tmp_path / "run"), "stage2_grpo.engine=verl"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "stage2_grpo.engine" in err and "podman container" in err, err
-    assert not (tmp_path / "run").exists()
+def test_verls_ray_starts_in_the_container_where_the_batch_shell_and_driver_reach_it_by_tmp(tmp_path):
+    """The node-address probe and every node's Ray run in the container; the batch shell's Ray CLI and
+    the stage driver stay outside and reach Ray through its sockets in the mounted /tmp."""
+    profile = load_profile(str(profile_with(tmp_path, runtime="podman", image="ranks")))
+    run = tmp_path / "run dir; touch pwned"
+    script = render_verl_script(profile, run, "stage2_grpo", 2)
+    out = subprocess.run([system_command("shellcheck"), "-s", "bash", "-"], input=script, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    steps = [line for line in script.splitlines() if "srun " in line and not line.lstrip().startswith("#")]
+    assert len(steps) == 3 and all(
+        '"${srun_container[@]}"' in s and '"${in_container[@]}"' in s for s in steps
+    )
+    assert "--volume /tmp:/tmp" in script.split("in_container=(", 1)[1].split(")", 1)[0]
+    assert exported_words(script)["command"][-3:] == [sys.executable, "-m", "launch.task_guard"]
 
 
 def test_the_doctor_holds_where_its_probe_ran_against_the_profile():
