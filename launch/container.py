@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.cluster import Container
+from core.config import ConfigError
 
 CONTAINER_ENV = "HPCR1_CONTAINER"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,18 @@ def step_words(container: Container | None, mounts: list[Path], workdir: Path, p
             *(python, "-m", "launch.task_guard"),
         ]
     )
+
+
+def refuse_unmountable(container: Container | None, run_dir: Path) -> None:
+    """Every runtime's mount option splits on ':' (podman's -v, pyxis) or ',' (apptainer's --bind,
+    pyxis): a run directory or project path holding one is refused before anything is written."""
+    for option, path in (("--run-dir", run_dir), ("the project's path", REPO)):
+        if container is not None and {":", ","} & set(str(path)):
+            raise ConfigError(
+                option,
+                f"{path} holds ':' or ',', which {container.runtime}'s mount option cannot take: "
+                "choose a path without them for the profile's container",
+            )
 
 
 def export_line(words: StepWords) -> str:

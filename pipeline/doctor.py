@@ -18,6 +18,7 @@ from core.atomic import atomic_write_text
 from core.cluster import ClusterProfile
 from core.config import ConfigError, RunConfig
 from core.rundir import RunDir
+from launch.container import refuse_unmountable
 from launch.sbatch import render_doctor_script
 from launch.slurm_jobs import slurm_env
 from pipeline.checks import (
@@ -42,6 +43,7 @@ def doctor(
     """Runs the checks, prints the table; 1 where any FAILed."""
     if shutil.which("sbatch") is None:
         raise ConfigError("--cluster", "sbatch is not on PATH: run hpcr1 doctor where Slurm's commands are")
+    refuse_unmountable(profile.container, run.root)
     cfg = resolve_layouts(cfg, config_dir, profile, nodes, lambda _: None)  # as submit lays them out
     shape, stage_ids = model_shape(cfg, config_dir), list(cfg.stages())
     checks = [check for _, check in checks_without_a_job(cfg, run.root, shape, profile, stage_ids)]

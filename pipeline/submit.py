@@ -19,6 +19,7 @@ from core.cluster import ClusterProfile
 from core.config import ConfigError, RunConfig, load_resolved
 from core.manifest import Manifest
 from core.rundir import RunDir
+from launch.container import refuse_unmountable
 from launch.ray_cluster import end_ray_steps
 from launch.sbatch import render_stage_script, render_verl_script, sbatch_command
 from launch.slurm_jobs import recorded_conf, slurm_env
@@ -46,6 +47,7 @@ def submit(
     `checks`: refuse where the run directory cannot hold what the stages will write."""
     if nodes < 1:
         raise ConfigError("--nodes", f"must be at least 1 (got {nodes})")
+    refuse_unmountable(profile.container, run.root)
     world = nodes * profile.tasks_per_node()
     if world != cfg.nproc:
         raise ConfigError(

@@ -20,6 +20,7 @@ from launch.container import CONTAINER_ENV, words_from_env
 from launch.sbatch import render_doctor_script, render_stage_script, render_verl_script
 from launch.slurm_launch import srun_command
 from pipeline.checks import container_check
+from pipeline.cli import main
 from tests.conftest import REPO
 from tests.support.system_packages import system_command
 
@@ -161,3 +162,16 @@ def test_the_doctor_holds_where_its_probe_ran_against_the_profile():
     assert missed.verdict == "FAIL" and "ran in none, the profile says podman-hpc (ranks)" in missed.detail
     assert container_check("n1", "apptainer x", podman_hpc).verdict == "FAIL"
     assert container_check("n1", "podman", None).verdict == "PASS"
+
+
+@pytest.mark.parametrize("command", ["submit", "doctor"])
+def test_a_run_directory_the_mount_options_cannot_take_is_refused_before_anything_is_written(
+    tmp_path, capsys, command
+):
+    path = profile_with(tmp_path, runtime="apptainer", image="/images/ranks.sif")
+    run = tmp_path / "runs:2026,12"
+    argv = [command, str(REPO / "configs/tiny-cpu.yaml"), "--cluster", str(path), "--run-dir", str(run)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--run-dir" in err and "apptainer's mount option" in err, err
+    assert not run.exists()
