@@ -75,8 +75,10 @@ def step_words(container: Container | None, mounts: list[Path], workdir: Path, p
 def refuse_unmountable(container: Container | None, run_dir: Path) -> None:
     """Every runtime's mount option splits on ':' (podman's -v, pyxis) or ',' (apptainer's --bind,
     pyxis): a run directory or project path holding one is refused before anything is written."""
+    if container is None:
+        return
     for option, path in (("--run-dir", run_dir), ("the project's path", REPO)):
-        if container is not None and {":", ","} & set(str(path)):
+        if {":", ","} & set(str(path)):
             raise ConfigError(
                 option,
                 f"{path} holds ':' or ',', which {container.runtime}'s mount option cannot take: "
@@ -105,13 +107,3 @@ def words_from_env(env: dict[str, str] | None = None) -> StepWords:
         return StepWords()
     words = json.loads(raw)
     return StepWords(srun=words["srun"], command=words["command"])
-
-
-def container_here() -> str:
-    """The container this process runs in, as its runtime marks it from inside, or 'none'."""
-    for variable in ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER"):
-        if os.environ.get(variable):
-            return f"{variable.split('_')[0].lower()} {os.environ[variable]}"
-    if Path("/run/.containerenv").exists():  # podman's, in every container it starts
-        return "podman"
-    return os.environ.get("container") or "none"  # systemd's convention, kept by enroot and others

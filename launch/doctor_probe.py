@@ -16,7 +16,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from launch.container import container_here
+from runtime.linux import container_here
 
 # Where a node's caches go (Triton, torch extensions, Ray's spill): TMPDIR where the site sets one.
 SCRATCH_VARS = ("TMPDIR", "SLURM_TMPDIR")

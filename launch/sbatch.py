@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 from core.cluster import COLLECTIVE_TIMEOUT_ENV, ClusterProfile
-from launch.container import array_lines, export_line, step_words
+from launch.container import REPO, array_lines, export_line, step_words
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "templates" / "stage.sbatch"
+TEMPLATE = REPO / "slurm" / "templates" / "stage.sbatch"
 VERL_TEMPLATE = TEMPLATE.with_name("verl_stage.sbatch")
 DOCTOR_TEMPLATE = TEMPLATE.with_name("doctor.sbatch")
-REPO = Path(__file__).resolve().parents[1]
 # Where Ray keeps its sessions (/tmp/ray): a Ray in the profile's container serves the batch shell's Ray
 # CLI and the stage driver, outside it, through the sockets there.
 RAY_TEMP_ROOT = Path("/tmp")

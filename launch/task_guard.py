@@ -22,8 +22,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: exists
-        return True
+    except PermissionError:  # another user's: it exists
+        pass
     return True
 
 

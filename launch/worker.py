@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     from core.config import load_resolved
     from core.manifest import Manifest
     from core.rundir import RunDir
-    from launch.container import container_here
     from runtime.comm_profiler import CommProfiler
     from runtime.context import StageContext
     from runtime.dist import discover_ranks, init_distributed, rank_device, shutdown_distributed
+    from runtime.linux import container_here
     from runtime.mpi_profiler import CallLog
     from runtime.preemption import PREEMPTED_EXIT, install_handlers
     from runtime.rank_failure import record_crashes, record_exception

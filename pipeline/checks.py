@@ -180,7 +180,7 @@ SAME_MARK = {"podman-hpc": "podman", "singularity": "apptainer"}
 
 
 def container_check(node: str, seen: str, container: Container | None) -> Check:
-    """The probe's step ran in the container the profile names (launch/container.py: container_here);
+    """The probe's step ran in the container the profile names (runtime/linux.py: container_here);
     pyxis's enroot follows no one convention, so any container will do for it."""
     name = f"container on {node}"
     if container is None:

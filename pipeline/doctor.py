@@ -111,7 +111,7 @@ def node_checks(facts: list[dict], profile: ClusterProfile) -> list[Check]:
     checks = []
     for node in facts:
         checks.append(python_check(node, here))
-        checks.append(container_check(node["host"], node.get("container", "none"), profile.container))
+        checks.append(container_check(node["host"], node["container"], profile.container))
         checks.append(
             gpu_check(node["host"], node["nvidia_smi"], profile.gpus_per_node, profile.gpu_memory_gib)
         )

@@ -85,7 +85,7 @@ def test_lock_outlives_a_killed_driver_while_its_ranks_live_then_is_taken_over(h
         with hold_run_dir(run.lock):
             pass
     _kill(ranks_pid)
-    _wait_gone(ranks_pid)  # the killed driver's child, now init's: not ours to wait for
+    wait_gone(ranks_pid)  # the killed driver's child, now init's: not ours to wait for
     notes: list[str] = []
     with hold_run_dir(run.lock, echo=notes.append):
         assert json.loads(run.lock.read_text())["pid"] == os.getpid()
@@ -96,7 +96,7 @@ def test_lock_outlives_a_killed_driver_while_its_ranks_live_then_is_taken_over(h
     assert len(notes) == 1, "after a clean release there is nothing to take over"
 
 
-def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+def wait_gone(pid: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO
+from tests.unit.test_run_lock import wait_gone
 
 # A command that records the signals it gets and starts a grandchild that would outlive it.
 CHILD = """
@@ -39,17 +40,6 @@ def start_guard(tmp_path: Path, task_pid: int, runs_s: float) -> tuple[subproces
     return guard, out
 
 
-def gone(pid: int, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_the_guard_passes_usr1_on_and_returns_the_commands_exit_code(tmp_path):
     guard, out = start_guard(tmp_path, os.getpid(), runs_s=3)
     guard.send_signal(signal.SIGUSR1)
@@ -65,4 +55,4 @@ def test_the_command_and_what_it_started_end_when_the_task_is_gone(tmp_path):
     task.kill()
     task.wait()
     assert guard.wait(timeout=30) == 128 + signal.SIGKILL
-    assert gone(grandchild, within_s=10), "the command's own child outlived the guard"
+    wait_gone(grandchild)  # the command's own child, too
