@@ -290,6 +290,7 @@ def test_the_pipeline_on_verl_survives_usr1_and_a_dead_worker_as_chained_jobs(sl
     assert_greedy_answers_are_hugging_faces(run, "stage1_sft")
 
     synth = run / "stage3_synth"
+    assert manifest(run)["stage3_synth"]["state"] == "done", job_story(slurm_env, run, "stage3_synth")
     assert json.loads((synth / "final" / "provenance.json").read_text())["engine"] == "verl"
     rows = [json.loads(line) for line in next(synth.rglob("synthetic.jsonl")).read_text().splitlines()]
     assert rows and all(row["reward"] > 0 and row["model"] for row in rows)
