@@ -28,11 +28,15 @@ def mpi_rendezvous(env, calls=None) -> tuple[RankInfo, tuple[str, int]]:
     from mpi4py import MPI
 
     comm = ProfiledComm(MPI.COMM_WORLD, recorder=calls)
-    rank = comm.Get_rank()
+    rank, size = comm.Get_rank(), comm.Get_size()
     hosts = comm.allgather(socket.gethostname())
     addr, port = comm.bcast(master_endpoint(env) if rank == 0 else None, root=0)
     check_reachable(addr, hosts)
-    return RankInfo(rank, comm.Get_size(), local_rank(hosts, rank), "mpi"), (addr, port)
+    # MPI's part ends here. Finalised, a rank that later leaves without the interpreter's finalisation
+    # (os._exit after a preemption's checkpoint) is not a lost PMIx connection, on which Slurm cancels
+    # the step and SIGKILLs the ranks still tearing down (a rank in a container takes seconds).
+    MPI.Finalize()
+    return RankInfo(rank, size, local_rank(hosts, rank), "mpi"), (addr, port)
 
 
 def master_endpoint(env) -> tuple[str, int]:

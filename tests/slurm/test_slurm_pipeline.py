@@ -6,6 +6,7 @@ on the multi-node cluster: test_multinode_pipeline, test_multinode_faults."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -167,6 +168,29 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
     )
     assert "srun exit 75" in out.read_text(), out.read_text()
     assert not finished.exists(), "rank 0 was not stopped: it ran its whole teardown"
+
+
+def test_a_task_outliving_its_rank_after_the_requeues_exit_is_not_cancelled(slurm_env, tmp_path):
+    """A rank in a container ends seconds before its srun task (podman tears the container down). The
+    rank met its peers through MPI (PMIx) and leaves without the interpreter's finalisation, as for a
+    requeue: Slurm must not take that for a lost PMIx connection and cancel the step, SIGKILLing the
+    tasks (137, a failed stage), but report the tasks' 75."""
+    rank = "import os; from runtime.dist import rendezvous; rendezvous(); os._exit(75)"
+    launcher = srun_command(tmp_path, "stage1_sft", "srun")
+    srun = launcher[: launcher.index(sys.executable)]
+    script = tmp_path / "job.sh"
+    task = f"{sys.executable} -c {shlex.quote(rank)}; sleep 3; exit 75"
+    script.write_text(f'#!/bin/bash\n{" ".join(srun)} bash -c {shlex.quote(task)}\necho "srun exit $?"\n')
+    out = tmp_path / "job.out"
+    subprocess.run(
+        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
+        env=slurm_env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=300,
+        check=True,
+    )
+    assert "srun exit 75" in out.read_text(), out.read_text()
 
 
 def test_failed_stage_ends_its_dependants(slurm_env, tmp_path):
