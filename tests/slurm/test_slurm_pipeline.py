@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.cluster import load_profile
+from launch.sbatch import render_verl_script
 from launch.slurm_launch import srun_command
 from tests.conftest import REPO, SMALL_RUN
 
@@ -191,6 +193,35 @@ def test_a_task_outliving_its_rank_after_the_requeues_exit_is_not_cancelled(slur
         check=True,
     )
     assert "srun exit 75" in out.read_text(), out.read_text()
+
+
+def test_a_ray_head_that_exits_before_it_answers_is_started_again_then_the_job_fails(slurm_env, tmp_path):
+    """The verl job's Ray CLI fails at once (as `ray start --head` does when its raylet misses Ray's
+    30 s to register on a loaded node): the head is started twice more, then the job fails saying
+    so, not at the profile's ready timeout. The job's Python runs all else."""
+    python = tmp_path / "python"
+    python.write_text(
+        '#!/bin/bash\nif [ "$1 $2" = "-m ray.scripts.scripts" ]; then echo "ray $3 failed" >&2; exit 1; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    profile = load_profile("local")
+    script = tmp_path / "job.sh"
+    script.write_text(render_verl_script(profile, tmp_path, "stage2_grpo", 1, python=str(python)))
+    out = tmp_path / "job.out"
+    started = time.monotonic()
+    subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
+                   env=slurm_env, cwd=REPO, capture_output=True, timeout=300)  # fmt: skip
+    lines = [line for line in out.read_text().splitlines() if line.startswith("hpcr1:")]
+    assert lines == [
+        *(
+            f"hpcr1: the Ray head on vm exited before it answered (try {n} of 3); starting it again"
+            for n in (1, 2)
+        ),
+        "hpcr1: error: the Ray head on vm exited before it answered, 3 time(s); see its output above",
+    ], out.read_text()[-3000:]
+    assert out.read_text().count("ray start failed") == 3
+    assert time.monotonic() - started < profile.ray.ready_timeout_s / 2
 
 
 def test_failed_stage_ends_its_dependants(slurm_env, tmp_path):
