@@ -143,6 +143,14 @@ def checkpoint_steps(ckpts: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in ckpts.glob("step-*") if p.is_dir()]
 
 
+def batch_output(env, script: Path, check: bool = True) -> str:
+    """What `script`, run as a 2-task batch job to its end, printed."""
+    out = script.with_suffix(".out")
+    subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
+                   env=env, cwd=REPO, capture_output=True, timeout=300, check=check)  # fmt: skip
+    return out.read_text()
+
+
 def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with_75(slurm_env, tmp_path):
     """Rank 1 leaves at once, rank 0 tears down for 60 s: srun (with the stage launcher's options)
     TERMs rank 0 when rank 1's 75 comes, and must still report 75, not 143 (which fails the stage).
@@ -159,16 +167,8 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
     srun = launcher[: launcher.index(sys.executable)]
     script = tmp_path / "job.sh"
     script.write_text(f'#!/bin/bash\n{" ".join(srun)} {sys.executable} {rank}\necho "srun exit $?"\n')
-    out = tmp_path / "job.out"
-    subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
-        env=slurm_env,
-        cwd=REPO,
-        capture_output=True,
-        timeout=300,
-        check=True,
-    )
-    assert "srun exit 75" in out.read_text(), out.read_text()
+    output = batch_output(slurm_env, script)
+    assert "srun exit 75" in output, output
     assert not finished.exists(), "rank 0 was not stopped: it ran its whole teardown"
 
 
@@ -183,16 +183,8 @@ def test_a_task_outliving_its_rank_after_the_requeues_exit_is_not_cancelled(slur
     script = tmp_path / "job.sh"
     task = f"{sys.executable} -c {shlex.quote(rank)}; sleep 3; exit 75"
     script.write_text(f'#!/bin/bash\n{" ".join(srun)} bash -c {shlex.quote(task)}\necho "srun exit $?"\n')
-    out = tmp_path / "job.out"
-    subprocess.run(
-        ["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
-        env=slurm_env,
-        cwd=REPO,
-        capture_output=True,
-        timeout=300,
-        check=True,
-    )
-    assert "srun exit 75" in out.read_text(), out.read_text()
+    output = batch_output(slurm_env, script)
+    assert "srun exit 75" in output, output
 
 
 def test_a_ray_head_that_exits_before_it_answers_is_started_again_then_the_job_fails(slurm_env, tmp_path):
@@ -208,19 +200,17 @@ def test_a_ray_head_that_exits_before_it_answers_is_started_again_then_the_job_f
     profile = load_profile("local")
     script = tmp_path / "job.sh"
     script.write_text(render_verl_script(profile, tmp_path, "stage2_grpo", 1, python=str(python)))
-    out = tmp_path / "job.out"
     started = time.monotonic()
-    subprocess.run(["sbatch", "--wait", "--ntasks=2", f"--output={out}", str(script)],
-                   env=slurm_env, cwd=REPO, capture_output=True, timeout=300)  # fmt: skip
-    lines = [line for line in out.read_text().splitlines() if line.startswith("hpcr1:")]
+    output = batch_output(slurm_env, script, check=False)
+    lines = [line for line in output.splitlines() if line.startswith("hpcr1:")]
     assert lines == [
         *(
             f"hpcr1: the Ray head on vm exited before it answered (try {n} of 3); starting it again"
             for n in (1, 2)
         ),
         "hpcr1: error: the Ray head on vm exited before it answered, 3 time(s); see its output above",
-    ], out.read_text()[-3000:]
-    assert out.read_text().count("ray start failed") == 3
+    ], output[-3000:]
+    assert output.count("ray start failed") == 3
     assert time.monotonic() - started < profile.ray.ready_timeout_s / 2
 
 
