@@ -151,6 +151,16 @@ def batch_output(env, script: Path, check: bool = True) -> str:
     return out.read_text()
 
 
+def stage_srun_output(env, tmp_path: Path, command: str) -> str:
+    """`command` run by srun with the stage launcher's options in a 2-task batch job, which then
+    prints "srun exit <srun's exit code>"; what the job printed."""
+    launcher = srun_command(tmp_path, "stage1_sft", "srun")
+    srun = launcher[: launcher.index(sys.executable)]
+    script = tmp_path / "job.sh"
+    script.write_text(f'#!/bin/bash\n{" ".join(srun)} {command}\necho "srun exit $?"\n')
+    return batch_output(env, script)
+
+
 def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with_75(slurm_env, tmp_path):
     """Rank 1 leaves at once, rank 0 tears down for 60 s: srun (with the stage launcher's options)
     TERMs rank 0 when rank 1's 75 comes, and must still report 75, not 143 (which fails the stage).
@@ -163,11 +173,7 @@ def test_ranks_leaving_for_the_requeue_at_different_times_end_the_srun_step_with
         "    if os.environ['SLURM_PROCID'] == '0':\n"
         f"        time.sleep(60)\n        open({str(finished)!r}, 'w').close()\n"
     )
-    launcher = srun_command(tmp_path, "stage1_sft", "srun")
-    srun = launcher[: launcher.index(sys.executable)]
-    script = tmp_path / "job.sh"
-    script.write_text(f'#!/bin/bash\n{" ".join(srun)} {sys.executable} {rank}\necho "srun exit $?"\n')
-    output = batch_output(slurm_env, script)
+    output = stage_srun_output(slurm_env, tmp_path, f"{sys.executable} {rank}")
     assert "srun exit 75" in output, output
     assert not finished.exists(), "rank 0 was not stopped: it ran its whole teardown"
 
@@ -178,12 +184,8 @@ def test_a_task_outliving_its_rank_after_the_requeues_exit_is_not_cancelled(slur
     requeue: Slurm must not take that for a lost PMIx connection and cancel the step, SIGKILLing the
     tasks (137, a failed stage), but report the tasks' 75."""
     rank = "import os; from runtime.dist import rendezvous; rendezvous(); os._exit(75)"
-    launcher = srun_command(tmp_path, "stage1_sft", "srun")
-    srun = launcher[: launcher.index(sys.executable)]
-    script = tmp_path / "job.sh"
     task = f"{sys.executable} -c {shlex.quote(rank)}; sleep 3; exit 75"
-    script.write_text(f'#!/bin/bash\n{" ".join(srun)} bash -c {shlex.quote(task)}\necho "srun exit $?"\n')
-    output = batch_output(slurm_env, script)
+    output = stage_srun_output(slurm_env, tmp_path, f"bash -c {shlex.quote(task)}")
     assert "srun exit 75" in output, output
 
 
